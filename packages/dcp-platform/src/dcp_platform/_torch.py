@@ -1,0 +1,190 @@
+"""torch backend: CPU tensors over gloo, CUDA tensors over NCCL."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._base import Capabilities, Handle, Platform
+
+logger = logging.getLogger(__name__)
+
+# Measured (FACTS.md): gloo rejects float8 ("Invalid scalar type"); these go as they are.
+_GLOO_NATIVE = frozenset(
+    {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool"}
+)
+_NCCL_NATIVE = _GLOO_NATIVE | {"float8_e4m3fn", "float8_e5m2"}
+
+DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+class _CopyBackHandle:
+    """Waits on a broadcast done through a temporary, then copies into the caller's tensor."""
+
+    def __init__(self, work: Handle | None, tmp: torch.Tensor, dst: torch.Tensor):
+        self._work, self._tmp, self._dst = work, tmp, dst
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        self._dst.copy_(self._tmp.view(self._dst.dtype).view(self._dst.shape))
+
+
+class TorchPlatform(Platform):
+    """torch.distributed over gloo (host tensors) or NCCL (CUDA tensors).
+
+    ``device``: where staging buffers live; by default ``cuda:<current>`` when the default
+    process group uses NCCL, else ``cpu``. ``group_timeout`` bounds every group created here.
+    """
+
+    name = "torch"
+    _device_type = "cpu"
+
+    def __init__(self, device: str | torch.device | None = None,
+                 group_timeout: timedelta = DEFAULT_GROUP_TIMEOUT):
+        self._group_timeout = group_timeout
+        self._created: dict[tuple[int, ...], Any] = {}
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "gloo"
+        self._backend = str(backend)
+        if device is None:
+            device = self._default_device()
+        self._device = torch.device(device)
+        native = _NCCL_NATIVE if self._backend in ("nccl", "hccl") else _GLOO_NATIVE
+        host = "gloo" in self._backend or self._backend in ("mpi",)
+        self._caps = Capabilities(
+            subgroups=True,
+            native_dtypes=native,
+            host_collectives=host,
+            device_type=self._device.type,
+            async_overlap=self._device.type != "cpu",
+        )
+
+    def _default_device(self) -> torch.device:
+        if self._backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(backend={self._backend!r}, device={str(self._device)!r})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        """The collective library of the default process group (``gloo``, ``nccl``...)."""
+        return self._backend
+
+    # -- ranks -------------------------------------------------------------------------
+    def is_distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    # -- groups ------------------------------------------------------------------------
+    def world_group(self) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"the {self.name!r} platform has no world group: torch.distributed is not "
+                "initialised (call torch.distributed.init_process_group first)"
+            )
+        return dist.group.WORLD
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        key = tuple(ranks)
+        if list(key) != sorted(set(key)):
+            raise ValueError(f"new_group: ranks must be sorted and unique, got {list(key)}")
+        world = self.world_size()
+        if not key or key[0] < 0 or key[-1] >= world:
+            raise ValueError(f"new_group: ranks {list(key)} out of range for world size {world}")
+        group = dist.new_group(ranks=list(key), timeout=self._group_timeout)
+        self._created[key] = group
+        return group
+
+    def destroy_group(self, group: Any) -> None:
+        if group is None or group is dist.group.WORLD:
+            raise ValueError("destroy_group: the world group cannot be destroyed")
+        for key, g in list(self._created.items()):
+            if g is group:
+                del self._created[key]
+        # Non-members hold GroupMember.NON_GROUP_MEMBER; there is nothing to release there.
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+
+    # -- data movement -----------------------------------------------------------------
+    def _transport(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The tensor to hand to the collective, and whether it is a temporary copy."""
+        needs_bytes = self.dtype_name(tensor.dtype) not in self._caps.native_dtypes
+        if tensor.is_contiguous():
+            return (self.as_bytes(tensor) if needs_bytes else tensor), False
+        tmp = tensor.contiguous()
+        return (self.as_bytes(tmp) if needs_bytes else tmp), True
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> Handle | None:
+        wire, is_tmp = self._transport(tensor)
+        work = dist.broadcast(wire, src=src, group=group, async_op=True)
+        if is_tmp:
+            return _CopyBackHandle(work, wire, tensor)
+        return work
+
+    def fused_copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if len(dsts) != len(srcs):
+            raise ValueError(f"fused_copy: {len(dsts)} destinations but {len(srcs)} sources")
+        if not dsts:
+            return
+        torch._foreach_copy_(list(dsts), list(srcs))
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, device=device or self._device)
+
+    def nbytes(self, tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def as_bytes(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"as_bytes: tensor of shape {tuple(tensor.shape)} is not contiguous; "
+                "call .contiguous() first"
+            )
+        return tensor.reshape(-1).view(torch.uint8)
+
+    def from_bytes(self, raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        if raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise ValueError(f"from_bytes: expected a 1-D uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+        return raw.view(dtype).view(tuple(shape))
+
+    def dtype_name(self, dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    def dtype_from_name(self, name: str) -> torch.dtype:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r} for the {self.name!r} platform")
+        return dtype
+
+    def synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        # On the CPU every queued operation has already completed when its call returned;
+        # gloo work is waited on through its handle, so there is no stream to drain.

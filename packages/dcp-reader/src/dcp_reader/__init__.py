@@ -1,0 +1,5 @@
+"""dcp-reader."""
+
+from ._version import __version__
+
+__all__ = ["__version__"]
