@@ -1,0 +1,137 @@
+"""Groups for the broadcasts: supplied, cached, the world, or created collectively."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from dcp_platform import Platform
+
+logger = logging.getLogger(__name__)
+
+
+def _as_key(ranks: Iterable[int], what: str) -> tuple[int, ...]:
+    key = tuple(ranks)
+    if not key or list(key) != sorted(set(key)):
+        raise ValueError(f"{what}: rank set must be non-empty, sorted and unique, got {key}")
+    return key
+
+
+class GroupManager:
+    """Finds or creates the group for each rank set, and destroys only what it created.
+
+    Call order: every rank enters the context, then calls ``ensure`` with the same rank
+    sets (a collective: one all-gather, then one ``platform.new_group`` per missing set in
+    sorted order on every rank, members and non-members alike), then ``get`` freely.
+    On exit (also on failure) it synchronizes the device and destroys the groups it created.
+    A manager can serve many ``broadcast_items`` calls; groups it created stay cached until
+    exit.
+
+    ``supplied`` maps a sorted rank tuple to a group the caller owns: it is used as is and
+    never destroyed. A rank set equal to the whole world uses ``platform.world_group()``.
+    When ``platform.capabilities.subgroups`` is False, ``get`` returns the world group for
+    every set and ``ensure`` creates nothing (the caller broadcasts over the world and
+    non-members discard what they receive).
+    """
+
+    def __init__(self, platform: Platform, supplied: Mapping[tuple[int, ...], Any] | None = None):
+        if supplied is not None and not isinstance(supplied, Mapping):
+            raise TypeError(
+                f"GroupManager supplied groups must be a mapping from rank tuple to group, "
+                f"got {type(supplied).__name__}"
+            )
+        self._platform = platform
+        self._supplied = {_as_key(k, "GroupManager supplied"): g for k, g in (supplied or {}).items()}
+        self._created: dict[tuple[int, ...], Any] = {}
+        self._closed = False
+
+    @property
+    def subgroups(self) -> bool:
+        """Whether broadcasts go over exact groups (else over the world group)."""
+        return self._platform.capabilities.subgroups
+
+    @property
+    def created(self) -> tuple[tuple[int, ...], ...]:
+        """Rank sets of the groups this manager created and still holds."""
+        return tuple(self._created)
+
+    def __enter__(self) -> GroupManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _world(self) -> tuple[int, ...]:
+        return tuple(range(self._platform.world_size()))
+
+    def _have(self, key: tuple[int, ...]) -> bool:
+        return key == self._world() or key in self._supplied or key in self._created
+
+    def ensure(self, rank_sets: Iterable[Iterable[int]]) -> None:
+        """Collective: make a group available for every rank set, on every rank.
+
+        Each rank reports the sets it is a member of and has no group for; the union is
+        created on every rank in sorted order. If one member supplied a group and another
+        did not, both use the newly created one, so members always agree.
+        """
+        if self._closed:
+            raise RuntimeError("GroupManager.ensure called after the manager was closed")
+        keys = sorted({_as_key(s, "GroupManager.ensure") for s in rank_sets})
+        world = self._platform.world_size()
+        out_of_range = [k for k in keys if k[-1] >= world]
+        if out_of_range:
+            raise ValueError(f"GroupManager.ensure: rank sets {out_of_range} exceed world size {world}")
+        if not self.subgroups or not self._platform.is_distributed():
+            return
+        start = time.perf_counter()
+        rank = self._platform.rank()
+        missing_here = [k for k in keys if rank in k and not self._have(k)]
+        gathered = self._platform.all_gather_object(missing_here)
+        missing = sorted({tuple(k) for per_rank in gathered for k in per_rank})
+        for key in missing:
+            # new_group is a collective over the whole world: every rank, same order.
+            group = self._platform.new_group(list(key))
+            stale = self._created.pop(key, None)
+            self._created[key] = group
+            if stale is not None:
+                self._platform.destroy_group(stale)
+        logger.debug("rank %d: groups ensured (%d needed, %d created) in %.4f s",
+                     rank, len(keys), len(missing), time.perf_counter() - start)
+
+    def get(self, ranks: Iterable[int]) -> Any:
+        """The group to broadcast over for ``ranks`` (after ``ensure`` on every rank)."""
+        key = _as_key(ranks, "GroupManager.get")
+        if not self.subgroups or key == self._world():
+            return self._platform.world_group()
+        if key in self._created:
+            return self._created[key]
+        if key in self._supplied:
+            return self._supplied[key]
+        raise KeyError(
+            f"GroupManager.get: no group for ranks {key}; call ensure([{key}, ...]) on every "
+            "rank first, or supply it"
+        )
+
+    def close(self) -> None:
+        """Synchronize the device, then destroy the groups this manager created."""
+        if self._closed:
+            return
+        self._closed = True
+        start = time.perf_counter()
+        created, self._created = self._created, {}
+        try:
+            # In-flight device work may still use a group; destroy it only once finished.
+            self._platform.synchronize()
+        finally:
+            errors = []
+            for key, group in created.items():
+                try:
+                    self._platform.destroy_group(group)
+                except Exception as exc:  # keep destroying the others; reported below
+                    errors.append(f"{key}: {exc!r}")
+            logger.debug("rank %d: destroyed %d group(s) in %.4f s", self._platform.rank(),
+                         len(created), time.perf_counter() - start)
+            if errors:
+                raise RuntimeError(f"GroupManager.close: could not destroy groups: {'; '.join(errors)}")
