@@ -1,5 +1,46 @@
-"""dcp-reader."""
+"""dcp-reader: safe readers for distributed checkpoints (native, Hugging Face safetensors,
+torch.distributed.checkpoint) with narrowed reads of saved chunks."""
 
+from ._detect import detect_format
+from ._errors import (
+    CheckpointError,
+    CoverageError,
+    MetadataError,
+    MissingFileError,
+    MissingKeyError,
+    MissingMetadataError,
+    TruncatedFileError,
+    UnknownDtypeError,
+    UnsafePathError,
+    UnsafePickleError,
+)
+from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ._native import METADATA_FILE, chunk_key
+from ._reader import CheckpointReader, open_checkpoint
 from ._version import __version__
+from ._writer import NativeWriter
 
-__all__ = ["__version__"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "METADATA_FILE",
+    "ChunkMeta",
+    "TensorMeta",
+    "ValueMeta",
+    "CheckpointMetadata",
+    "CheckpointReader",
+    "open_checkpoint",
+    "detect_format",
+    "NativeWriter",
+    "chunk_key",
+    "CheckpointError",
+    "MissingMetadataError",
+    "MetadataError",
+    "MissingFileError",
+    "MissingKeyError",
+    "TruncatedFileError",
+    "UnknownDtypeError",
+    "CoverageError",
+    "UnsafePathError",
+    "UnsafePickleError",
+    "__version__",
+]

@@ -1,0 +1,47 @@
+"""Which format a checkpoint directory holds, from its contents."""
+
+from __future__ import annotations
+
+import os
+
+from ._errors import MissingMetadataError
+from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
+from ._native import MARKER_KEY, MARKER_VALUE
+from ._native import METADATA_FILE as NATIVE_METADATA
+from ._safetensors_file import read_header_at
+from ._torch_dcp import METADATA_FILE as DCP_METADATA
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """"native", "hf", "torch-dcp-hf" or "torch-dcp"; MissingMetadataError saying what was
+    found when the directory holds no complete checkpoint. Reads at most one file header."""
+    root = os.path.realpath(os.fspath(path))
+    try:
+        names = set(os.listdir(root))
+    except FileNotFoundError:
+        raise MissingMetadataError("the checkpoint directory does not exist", path=root) from None
+    except NotADirectoryError:
+        raise MissingMetadataError("not a directory; pass the checkpoint directory", path=root) from None
+    if NATIVE_METADATA in names:
+        return "native"
+    if DCP_METADATA in names:
+        return "torch-dcp"
+    st = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
+    if INDEX_FILE in names or st:
+        first = SINGLE_FILE if SINGLE_FILE in names else (st[0] if st else None)
+        if first is None:  # only an index: let the hf reader report the missing shards
+            return "hf"
+        meta = read_header_at(os.path.join(root, first), first).metadata or {}
+        if meta.get(MARKER_KEY) == MARKER_VALUE:
+            raise MissingMetadataError(
+                f"{NATIVE_METADATA} is missing next to native data files ({first!r}, ...): an incomplete "
+                "native checkpoint (the save did not finish; rank 0 writes the metadata last). Re-run "
+                "the save", path=root, key=NATIVE_METADATA)
+        return "torch-dcp-hf" if SHARDING_KEY in meta else "hf"
+    if any(n.endswith(".distcp") for n in names):
+        raise MissingMetadataError(
+            f"{DCP_METADATA} is missing next to *.distcp files: an incomplete torch.distributed.checkpoint "
+            "save (it writes .metadata last). Re-run the save", path=root, key=DCP_METADATA)
+    raise MissingMetadataError(
+        f"no checkpoint found: none of {NATIVE_METADATA}, {DCP_METADATA}, {INDEX_FILE}, {SINGLE_FILE} "
+        f"or *.safetensors in the directory ({len(names)} entries). Check the path", path=root)

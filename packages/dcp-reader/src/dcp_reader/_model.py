@@ -1,0 +1,267 @@
+"""The framework-neutral metadata model: frozen dataclasses that validate on creation and
+round-trip through JSON with a schema version."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from ._coverage import coverage_problems
+from ._dtypes import is_dtype_name, itemsize
+from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
+
+SCHEMA_VERSION = 1
+FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp")
+
+
+def _int_tuple(value: Any, what: str, *, key: str | None) -> tuple[int, ...]:
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise MetadataError(f"{what} must be a sequence of ints, got {value!r}", key=key) from None
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise MetadataError(f"{what} must hold non-negative ints, got {value!r}", key=key)
+    return tuple(int(v) for v in out)
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """One saved piece of a tensor: the box [offsets, offsets + sizes) of the global tensor,
+    stored in ``file`` (posix path relative to the checkpoint dir) under ``key``.
+
+    ``storage``: (byte offset, length) inside the file where the format needs it (torch DCP
+    ``.distcp``); ``checksum``: optional, e.g. "crc32:1a2b3c4d" (not yet written or checked).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    key: str
+    checksum: str | None = None
+    storage: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        offsets = _int_tuple(self.offsets, "ChunkMeta.offsets", key=self.key)
+        sizes = _int_tuple(self.sizes, "ChunkMeta.sizes", key=self.key)
+        if len(offsets) != len(sizes):
+            raise MetadataError(f"chunk {self.key!r}: offsets {offsets} and sizes {sizes} differ in "
+                                "length", key=self.key)
+        if not isinstance(self.file, str) or not self.file:
+            raise MetadataError(f"chunk {self.key!r}: file must be a non-empty str, got {self.file!r}",
+                                key=self.key)
+        if not isinstance(self.key, str):
+            raise MetadataError(f"chunk key must be a str, got {self.key!r}", key=None)
+        if self.checksum is not None and not isinstance(self.checksum, str):
+            raise MetadataError(f"chunk {self.key!r}: checksum must be a str or None, got "
+                                f"{self.checksum!r}", key=self.key)
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "sizes", sizes)
+        if self.storage is not None:
+            storage = _int_tuple(self.storage, "ChunkMeta.storage", key=self.key)
+            if len(storage) != 2:
+                raise MetadataError(f"chunk {self.key!r}: storage must be (offset, length), got "
+                                    f"{self.storage!r}", key=self.key)
+            object.__setattr__(self, "storage", storage)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A global tensor: shape, neutral dtype name and the chunks it was saved in."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[ChunkMeta, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise MetadataError(f"tensor name must be a str, got {self.name!r}")
+        shape = _int_tuple(self.shape, f"shape of {self.name!r}", key=self.name)
+        object.__setattr__(self, "shape", shape)
+        if not is_dtype_name(self.dtype):
+            raise UnknownDtypeError(f"tensor {self.name!r} has unknown dtype {self.dtype!r}; use a "
+                                    "neutral name such as 'float32', 'bfloat16', 'float8_e4m3fn'",
+                                    key=self.name)
+        chunks = tuple(self.chunks)
+        for c in chunks:
+            if not isinstance(c, ChunkMeta):
+                raise MetadataError(f"tensor {self.name!r}: chunks must be ChunkMeta, got {type(c)!r}",
+                                    key=self.name)
+            if len(c.offsets) != len(shape):
+                raise MetadataError(f"tensor {self.name!r} has {len(shape)} dims (shape {shape}) but "
+                                    f"its chunk in {c.file!r} key {c.key!r} has offsets {c.offsets}",
+                                    key=self.name)
+        object.__setattr__(self, "chunks", chunks)
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+_JSON_TYPES = (str, int, float, bool, type(None))
+
+
+def is_json_value(value: Any) -> bool:
+    """True when ``value`` survives a JSON round trip unchanged (no tuples, str dict keys)."""
+    if isinstance(value, _JSON_TYPES):
+        return True
+    if isinstance(value, list):
+        return all(is_json_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
+    return False
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """A non-tensor entry: inline JSON ``value``, or (pickled, opt-in) stored in ``file``
+    under ``key``. ``storage``: (byte offset, length) inside ``file`` (torch DCP)."""
+
+    name: str
+    value: Any = None
+    file: str | None = None
+    key: str | None = None
+    storage: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise MetadataError(f"value name must be a str, got {self.name!r}")
+        if self.file is None:
+            if not is_json_value(self.value):
+                raise MetadataError(f"value {self.name!r} of type {type(self.value).__name__} is not "
+                                    "JSON (None, bool, int, float, str, list, dict with str keys); "
+                                    "store it pickled (allow_pickle=True) or convert it", key=self.name)
+        elif not isinstance(self.file, str) or not self.file:
+            raise MetadataError(f"value {self.name!r}: file must be a non-empty str, got {self.file!r}",
+                                key=self.name)
+        elif self.value is not None:
+            raise MetadataError(f"value {self.name!r} has both an inline value and a file", key=self.name)
+        if self.storage is not None:
+            storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
+            if len(storage) != 2:
+                raise MetadataError(f"value {self.name!r}: storage must be (offset, length)", key=self.name)
+            object.__setattr__(self, "storage", storage)
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """Everything a loader needs to plan: tensors (with chunks) and non-tensor values.
+
+    Creating one checks that every tensor's chunks tile its shape (CoverageError listing
+    every offending tensor).
+    """
+
+    tensors: Mapping[str, TensorMeta]
+    values: Mapping[str, ValueMeta]
+    format: str
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise MetadataError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if isinstance(self.schema_version, bool) or self.schema_version != SCHEMA_VERSION:
+            raise MetadataError(
+                f"schema_version {self.schema_version!r} is not supported by this dcp-reader "
+                f"(it reads version {SCHEMA_VERSION}); upgrade dcp-reader to read this checkpoint")
+        for what, mapping, cls in (("tensors", self.tensors, TensorMeta), ("values", self.values, ValueMeta)):
+            for name, meta in mapping.items():
+                if not isinstance(meta, cls) or meta.name != name:
+                    raise MetadataError(f"{what}[{name!r}] must be a {cls.__name__} named {name!r}, got "
+                                        f"{meta!r:.200}", key=name)
+        both = sorted(set(self.tensors) & set(self.values))
+        if both:
+            raise MetadataError(f"names used for both a tensor and a value: {summarise(both)}", key=both[0])
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
+        problems: list[str] = []
+        offenders: list[str] = []
+        for name, t in self.tensors.items():
+            p = coverage_problems(name, t.shape, t.chunks)
+            if p:
+                problems.extend(p)
+                offenders.append(name)
+        if problems:
+            raise CoverageError(f"{len(offenders)} tensor(s) are not covered exactly by their saved "
+                                f"chunks: {summarise(problems)}. The checkpoint is incomplete or "
+                                "inconsistent; re-save it", key=offenders[0], offenders=offenders)
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        tensors = {}
+        for name, t in self.tensors.items():
+            chunks = []
+            for c in t.chunks:
+                d: dict[str, Any] = {"offsets": list(c.offsets), "sizes": list(c.sizes),
+                                     "file": c.file, "key": c.key}
+                if c.checksum is not None:
+                    d["checksum"] = c.checksum
+                if c.storage is not None:
+                    d["storage"] = list(c.storage)
+                chunks.append(d)
+            tensors[name] = {"shape": list(t.shape), "dtype": t.dtype, "chunks": chunks}
+        values = {}
+        for name, v in self.values.items():
+            d = {"value": v.value} if v.file is None else {"file": v.file, "key": v.key}
+            if v.storage is not None:
+                d["storage"] = list(v.storage)
+            values[name] = d
+        return json.dumps({"schema_version": self.schema_version, "format": self.format,
+                           "tensors": tensors, "values": values}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CheckpointMetadata:
+        """Parse and validate; MetadataError (no path: the caller adds it) on any problem."""
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MetadataError(f"invalid JSON ({e}); the metadata file is corrupt or was not "
+                                "written by dcp-reader") from None
+        if not isinstance(doc, dict):
+            raise MetadataError(f"metadata must be a JSON object, got {type(doc).__name__}")
+        version = doc.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise MetadataError(f"schema_version missing or not an int: {version!r}")
+        if version != SCHEMA_VERSION:
+            raise MetadataError(f"unknown schema_version {version} (this dcp-reader reads "
+                                f"{SCHEMA_VERSION}); upgrade dcp-reader", key="schema_version")
+        try:
+            tensors = {}
+            for name, t in _obj(doc, "tensors").items():
+                chunks = tuple(
+                    ChunkMeta(offsets=c["offsets"], sizes=c["sizes"], file=c["file"], key=c["key"],
+                              checksum=c.get("checksum"), storage=c.get("storage"))
+                    for c in t["chunks"])
+                tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
+            values = {}
+            for name, v in _obj(doc, "values").items():
+                values[name] = ValueMeta(name=name, value=v.get("value"), file=v.get("file"),
+                                         key=v.get("key"), storage=v.get("storage"))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
+                                "corrupt or from an incompatible writer") from None
+        return cls(tensors=tensors, values=values, format=doc.get("format", "native"),
+                   schema_version=version)
+
+
+def _obj(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    v = doc.get(name, {})
+    if not isinstance(v, dict):
+        raise MetadataError(f"{name!r} must be a JSON object, got {type(v).__name__}")
+    return v

@@ -1,0 +1,235 @@
+"""CheckpointReader and open_checkpoint: metadata plus narrowed reads of saved chunks."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import pickle
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ._detect import detect_format
+from ._dtypes import to_safetensors, torch_dtype_name
+from ._errors import (
+    MetadataError,
+    MissingKeyError,
+    TruncatedFileError,
+    UnsafePickleError,
+)
+from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
+from ._hf import load_hf
+from ._model import FORMATS, CheckpointMetadata, ChunkMeta
+from ._native import load_native
+from ._paths import check_files, resolve
+from ._safetensors_file import SafetensorsFile
+from ._torch_dcp import load_blob, load_torch_dcp
+
+logger = logging.getLogger(__name__)
+
+
+class _RawFile:
+    """An open .distcp file and its size (taken once, at open)."""
+
+    def __init__(self, real: str):
+        self.f = open(real, "rb")
+        self.path = real
+        self.size = os.fstat(self.f.fileno()).st_size
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class CheckpointReader:
+    """Reads boxes of saved chunks. Use from one thread at a time; a context manager.
+
+    Keeps at most ``max_open_files`` files open (least recently used is closed first):
+    opening a safetensors file costs ~0.7 ms against ~0.05 ms for a slice read (FACTS.md).
+    """
+
+    def __init__(self, path: str, metadata: CheckpointMetadata, *, allow_pickle: bool = False,
+                 max_open_files: int = 64):
+        if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
+            raise ValueError(f"max_open_files must be an int >= 1, got {max_open_files!r}")
+        self.path = path
+        self.metadata = metadata
+        self.format = metadata.format
+        self.allow_pickle = bool(allow_pickle)
+        self._max_open = max_open_files
+        self._files: OrderedDict[str, Any] = OrderedDict()
+        self._bytes_read = 0
+        self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
+        self._pickles: dict[str, dict[str, Any]] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        return self._bytes_read
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"CheckpointReader({self.path!r}, format={self.format!r}, tensors={len(self.metadata.tensors)}, "
+                f"open_files={len(self._files)})")
+
+    def close(self) -> None:
+        files, self._files = self._files, OrderedDict()
+        for f in files.values():
+            f.close()
+        self._blob = None
+        self._pickles.clear()
+
+    def _open(self, name: str, key: str | None) -> Any:
+        f = self._files.get(name)
+        if f is not None:
+            self._files.move_to_end(name)
+            return f
+        real = resolve(self.path, name, key=key)
+        f = _RawFile(real) if self.format == "torch-dcp" else SafetensorsFile(real)
+        self._files[name] = f
+        if len(self._files) > self._max_open:
+            _, old = self._files.popitem(last=False)
+            old.close()
+        return f
+
+    # -- tensors ---------------------------------------------------------------------------
+    def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             framework: str = "torch") -> Any:
+        """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
+        ``name``. May be a view of a memory map: copy it into place."""
+        t = self.metadata.tensors.get(name)
+        if t is None:
+            raise MissingKeyError(f"no tensor {name!r} in the checkpoint ({len(self.metadata.tensors)} "
+                                  "tensors); check the name", path=self.path, key=name)
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+        nd = len(t.shape)
+        if len(offsets) != nd or len(sizes) != nd or len(chunk.offsets) != nd:
+            raise ValueError(f"{name!r} has {nd} dims; got offsets={offsets} sizes={sizes} "
+                             f"chunk.offsets={chunk.offsets}")
+        slices = []
+        for o, s, co, cs in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=False):
+            lo = o - co
+            if lo < 0 or s < 0 or lo + s > cs:
+                raise ValueError(f"box offsets={tuple(offsets)} sizes={tuple(sizes)} of {name!r} is not "
+                                 f"inside the chunk offsets={chunk.offsets} sizes={chunk.sizes}")
+            slices.append(slice(lo, lo + s))
+        sl = tuple(slices)
+        if self.format == "torch-dcp":
+            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+        f = self._open(chunk.file, chunk.key)
+        e = f.entry(chunk.key)
+        if e.shape != chunk.sizes or e.code != to_safetensors(t.dtype):
+            raise MetadataError(f"key {chunk.key!r} is {e.code} {list(e.shape)} in the file but the "
+                                f"metadata says {t.dtype} {list(chunk.sizes)}; the checkpoint is "
+                                "inconsistent: re-save it", path=f.path, key=chunk.key)
+        if framework == "torch":
+            out = f.torch_box(chunk.key, sl)
+        else:
+            out = f.numpy_box(chunk.key, t.dtype, sl)
+            if framework == "mindspore":
+                out = numpy_to_mindspore(out, t.dtype)
+        self._bytes_read += math.prod(sizes) * t.itemsize
+        return out
+
+    def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
+        if chunk.storage is None:
+            raise MetadataError(f"chunk of {name!r} in {chunk.file!r} has no storage (offset, length)",
+                                path=self.path, key=name)
+        blob = self._blob
+        if blob is None or blob[0] != chunk.file or blob[1] != chunk.storage:
+            f = self._open(chunk.file, name)
+            off, length = chunk.storage
+            if off + length > f.size:
+                raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
+                                         f"has {f.size} bytes; the file is truncated: re-copy it",
+                                         path=f.path, key=name)
+            try:
+                tensor = load_blob(f.f, chunk.storage)
+            except Exception as e:  # torch.load's errors vary by version; report them typed
+                raise MetadataError(f"cannot load the payload of {name!r} at {chunk.storage} "
+                                    f"({type(e).__name__}: {e}); the file is corrupt", path=f.path,
+                                    key=name) from None
+            if tuple(tensor.shape) != chunk.sizes or torch_dtype_name(tensor.dtype) != dtype:
+                raise MetadataError(f"payload of {name!r} is {tensor.dtype} {list(tensor.shape)} but the "
+                                    f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
+            self._bytes_read += length
+            blob = self._blob = (chunk.file, chunk.storage, tensor)
+        out = blob[2][sl]
+        if framework != "torch":
+            out = torch_to_numpy(out, dtype)
+            if framework == "mindspore":
+                out = numpy_to_mindspore(out, dtype)
+        return out
+
+    # -- values ----------------------------------------------------------------------------
+    def read_value(self, name: str) -> Any:
+        """A non-tensor entry. Pickled entries need allow_pickle=True (trusted checkpoints)."""
+        v = self.metadata.values.get(name)
+        if v is None:
+            raise MissingKeyError(f"no value {name!r} in the checkpoint ({len(self.metadata.values)} "
+                                  "values); check the name", path=self.path, key=name)
+        if v.file is None:
+            return copy.deepcopy(v.value)
+        if self.format == "torch-dcp":
+            return self._read_dcp_value(name, v.file, v.storage)
+        if not self.allow_pickle:
+            raise UnsafePickleError(f"value {name!r} is pickled in {v.file!r}; loading it could run code "
+                                    "from the checkpoint. Pass allow_pickle=True only if you trust it",
+                                    path=self.path, key=name)
+        d = self._pickles.get(v.file)
+        if d is None:
+            real = resolve(self.path, v.file, key=name)
+            with open(real, "rb") as f:
+                d = pickle.load(f)  # opted in by the caller (allow_pickle=True)
+            self._pickles[v.file] = d
+        if v.key not in d:
+            raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
+        return d[v.key]
+
+    def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
+        if storage is None:
+            raise MetadataError(f"value {name!r} has no storage (offset, length)", path=self.path, key=name)
+        f = self._open(file, name)
+        if storage[0] + storage[1] > f.size:
+            raise TruncatedFileError(f"{name!r} is stored at bytes [{storage[0]}, {sum(storage)}) but the "
+                                     f"file has {f.size} bytes; re-copy it", path=f.path, key=name)
+        try:
+            return load_blob(f.f, storage, weights_only=True)
+        except pickle.UnpicklingError as e:
+            if not self.allow_pickle:
+                raise UnsafePickleError(f"value {name!r} holds objects torch.load(weights_only=True) refuses "
+                                        f"({e}); pass allow_pickle=True only if you trust the checkpoint",
+                                        path=f.path, key=name) from None
+        return load_blob(f.f, storage, weights_only=False)  # opted in by the caller
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
+                    max_open_files: int = 64) -> CheckpointReader:
+    """Open a checkpoint directory: detect (or take) its format, read and validate its
+    metadata (file names, existence, coverage), and return a reader."""
+    t0 = time.perf_counter()
+    root = os.path.realpath(os.fspath(path))
+    fmt = detect_format(root) if format is None else format
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+    if fmt == "native":
+        meta = load_native(root)
+        files = [(c.file, n) for n, t in meta.tensors.items() for c in t.chunks]
+        files += [(v.file, n) for n, v in meta.values.items() if v.file is not None]
+        check_files(root, files)
+    elif fmt == "hf":
+        meta = load_hf(root, sharded=False)
+    elif fmt == "torch-dcp-hf":
+        meta = load_hf(root, sharded=True)
+    else:
+        meta = load_torch_dcp(root)
+    reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files)
+    logger.debug("opened %s (%s): %d tensors, %d values in %.3f s", root, fmt, len(meta.tensors),
+                 len(meta.values), time.perf_counter() - t0)
+    return reader

@@ -1,0 +1,189 @@
+"""NativeWriter: each rank writes its own safetensors data file(s); rank 0 commits the
+JSON metadata last, atomically, so a reader sees either a whole checkpoint or none."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
+from ._errors import UnknownDtypeError, summarise
+from ._model import CheckpointMetadata, ValueMeta, is_json_value
+from ._native import MARKER_KEY, MARKER_VALUE, METADATA_FILE
+from ._paths import check_files, check_name
+
+logger = logging.getLogger(__name__)
+
+_COPY_BLOCK = 64 * 1024 * 1024  # bytes per write() call: bounds the transient copy, not a tuning knob
+
+
+def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
+    """(neutral dtype, shape, flat uint8 buffer) of a torch tensor, numpy array or MindSpore
+    tensor, without copying a contiguous host tensor."""
+    import numpy as np
+
+    mod = type(t).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        dtype = torch_dtype_name(t.dtype)
+        if dtype not in DTYPE_NAMES:
+            raise UnknownDtypeError(f"tensor {key!r} has dtype {t.dtype}, which has no safetensors code; "
+                                    "convert it before saving", key=key)
+        shape = tuple(t.shape)
+        t = t.contiguous().reshape(-1)
+        raw = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        return dtype, shape, raw
+    if not isinstance(t, np.ndarray) and hasattr(t, "asnumpy"):  # MindSpore Tensor
+        t = t.asnumpy()
+    if isinstance(t, np.ndarray):
+        dtype = t.dtype.name
+        if dtype not in DTYPE_NAMES:
+            raise UnknownDtypeError(f"array {key!r} has numpy dtype {t.dtype}, which has no safetensors "
+                                    "code; convert it before saving", key=key)
+        shape = tuple(t.shape)
+        return dtype, shape, np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+    raise TypeError(f"tensor {key!r}: expected a torch tensor, numpy array or MindSpore tensor, got "
+                    f"{type(t).__module__}.{type(t).__name__}")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems cannot open directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not supported on this filesystem; nothing more can be done
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(final: str, chunks: list[Any]) -> int:
+    tmp = f"{final}.tmp-{os.getpid()}"
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                mv = memoryview(c).cast("B")
+                for i in range(0, len(mv), _COPY_BLOCK):
+                    n += f.write(mv[i:i + _COPY_BLOCK])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(os.path.dirname(final))
+    return n
+
+
+class NativeWriter:
+    """Writes a native checkpoint into ``path``.
+
+    Call order: every writing rank calls ``write_file`` for its own file(s) (distinct names,
+    e.g. ``rank-00003.safetensors``); rank 0 may call ``write_values``; after all ranks are
+    done (a barrier in the caller), rank 0 calls ``commit(metadata)``, which writes
+    ``dcp-metadata.json`` last. Saving over a committed checkpoint: call ``invalidate()`` on
+    rank 0 before any rank writes, so a crash never leaves old metadata over new data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
+        self.path = os.path.abspath(os.fspath(path))
+        self.allow_pickle = bool(allow_pickle)
+        os.makedirs(self.path, exist_ok=True)
+
+    def _target(self, file_name: str) -> str:
+        name = check_name(file_name, root=self.path)
+        if name == METADATA_FILE:
+            raise ValueError(f"file_name {file_name!r} is reserved for the metadata")
+        full = os.path.join(self.path, name)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        return full
+
+    def write_file(self, file_name: str, tensors: Mapping[str, Any]) -> int:
+        """Write one safetensors data file holding ``tensors`` ({key: tensor}, torch tensors,
+        numpy arrays or MindSpore tensors); atomic (tmp + fsync + rename). Returns its size."""
+        t0 = time.perf_counter()
+        final = self._target(file_name)
+        header: dict[str, Any] = {"__metadata__": {MARKER_KEY: MARKER_VALUE, "format": "pt"}}
+        bufs = []
+        pos = 0
+        bad = []
+        for key, t in tensors.items():
+            if not isinstance(key, str):
+                raise TypeError(f"keys must be str, got {key!r} in {file_name!r}")
+            try:
+                dtype, shape, raw = _as_bytes(t, key)
+            except UnknownDtypeError as e:
+                bad.append(e)
+                continue
+            header[key] = {"dtype": to_safetensors(dtype), "shape": list(shape),
+                           "data_offsets": [pos, pos + raw.nbytes]}
+            pos += raw.nbytes
+            bufs.append(raw)
+        if bad:
+            raise UnknownDtypeError(f"{len(bad)} tensor(s) cannot be saved: {summarise([e.message for e in bad])}",
+                                    path=final, key=bad[0].key, offenders=[e.key or "" for e in bad])
+        hjson = json.dumps(header, separators=(",", ":")).encode()
+        hjson += b" " * (-len(hjson) % 8)  # safetensors aligns the data section to 8 bytes
+        n = _atomic_write(final, [len(hjson).to_bytes(8, "little"), hjson, *bufs])
+        logger.debug("wrote %s: %d tensors, %d bytes in %.3f s", final, len(bufs), n,
+                     time.perf_counter() - t0)
+        return n
+
+    def write_values(self, values: Mapping[str, Any], *, file_name: str = "values.pkl") -> dict[str, ValueMeta]:
+        """ValueMeta for each non-tensor value: JSON values inline; others pickled into
+        ``file_name`` when allow_pickle, else TypeError listing every offender."""
+        out: dict[str, ValueMeta] = {}
+        pickled: dict[str, Any] = {}
+        for name, v in values.items():
+            if is_json_value(v):
+                out[name] = ValueMeta(name=name, value=v)
+            else:
+                pickled[name] = v
+        if pickled and not self.allow_pickle:
+            kinds = [f"{k!r}: {type(v).__module__}.{type(v).__name__}" for k, v in pickled.items()]
+            raise TypeError(f"{len(pickled)} value(s) are not JSON (None, bool, int, float, str, list, "
+                            f"dict with str keys): {summarise(kinds)}. Convert them, or pass "
+                            "allow_pickle=True on save and on load (only for trusted checkpoints)")
+        if pickled:
+            final = self._target(file_name)
+            _atomic_write(final, [pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL)])
+            for name in pickled:
+                out[name] = ValueMeta(name=name, file=file_name, key=name)
+        return out
+
+    def invalidate(self) -> None:
+        """Remove a committed metadata file (rank 0, before any rank writes new data)."""
+        try:
+            os.unlink(os.path.join(self.path, METADATA_FILE))
+        except FileNotFoundError:
+            return
+        _fsync_dir(self.path)
+
+    def commit(self, metadata: CheckpointMetadata) -> None:
+        """Write the metadata last and atomically. Checks first that every file it names
+        exists inside the checkpoint (MissingFileError / UnsafePathError listing all)."""
+        if not isinstance(metadata, CheckpointMetadata):
+            raise TypeError(f"metadata must be a CheckpointMetadata, got {type(metadata).__name__}")
+        if metadata.format != "native":
+            raise ValueError(f"metadata.format must be 'native' for NativeWriter, got {metadata.format!r}")
+        files = [(c.file, name) for name, t in metadata.tensors.items() for c in t.chunks]
+        files += [(v.file, name) for name, v in metadata.values.items() if v.file is not None]
+        check_files(os.path.realpath(self.path), files)
+        _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
+        logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
+                     len(metadata.values))
