@@ -1,5 +1,25 @@
-"""dcp-load."""
+"""dcp-load: load distributed checkpoints with resharding, read-once and batched broadcasts."""
 
+from ._errors import LoadError
+from ._load import DEFAULT_BATCH_BYTES, load
+from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
+from ._report import LoadReport
+from ._save import SaveReport, save
+from ._state import Chunk
 from ._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_BATCH_BYTES",
+    "Chunk",
+    "GlobalPlan",
+    "GreedyPlanner",
+    "LoadError",
+    "LoadReport",
+    "Planner",
+    "ReadItem",
+    "SaveReport",
+    "__version__",
+    "build_global_plan",
+    "load",
+    "save",
+]

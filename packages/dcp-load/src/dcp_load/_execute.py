@@ -1,0 +1,138 @@
+"""Running the agreed plan: reads on a read-ahead thread, broadcasts on the calling thread.
+
+The read-ahead thread reads this rank's pieces in the agreed order, narrowed in the file,
+straight into their destination views: first the pieces this rank broadcasts (in broadcast
+order, so the broadcast scheduler rarely waits), then the pieces only it wants. The calling
+thread runs ``dcp_broadcast.broadcast_items`` over every replicated piece; its ``prepare``
+hook blocks until the thread has produced the piece about to be sent.
+
+A read failure does not stop the collective schedule: the thread records it and releases
+every waiting piece, the source sends whatever its destination holds, and the caller
+raises on every rank after a final exchange of errors. The thread is joined on every path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._plan import GlobalPlan, ReadItem
+from ._targets import Target
+
+__all__ = ["ExecuteStats", "execute"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExecuteStats:
+    """What this rank moved: pieces and bytes read, broadcast statistics, errors met."""
+
+    pieces_read: int
+    bytes_read: int
+    broadcasts: int
+    bytes_sent: int
+    bytes_received: int
+    read_seconds: float
+    broadcast_seconds: float
+    errors: tuple[str, ...]
+
+
+class _ReadAhead(threading.Thread):
+    def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
+                 events: Mapping[int, threading.Event]):
+        super().__init__(name="dcp-load-read-ahead", daemon=True)
+        self.reader, self.reads, self.targets, self.events = reader, reads, targets, events
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.done = 0
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        tensors = self.reader.metadata.tensors
+        try:
+            for position, item in enumerate(self.reads):
+                if self.stop.is_set():
+                    break
+                target = self.targets[item.name]
+                chunk = tensors[item.name].chunks[item.chunk]
+                try:
+                    data = self.reader.read(item.name, chunk, item.offsets, item.sizes,
+                                            framework=target.adapter.name)
+                    target.adapter.copy(target.view(item.offsets, item.sizes), data)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+                    self.errors.append(f"reading {item.name!r} box offsets={item.offsets} "
+                                       f"sizes={item.sizes} from {chunk.file!r} failed: "
+                                       f"{type(exc).__name__}: {exc}")
+                    break
+                del data
+                self.done += 1
+                event = self.events.get(position)
+                if event is not None:
+                    event.set()
+        finally:
+            # Release every waiter: after a failure the broadcasts still run (with whatever
+            # the destination holds) so that no other rank hangs in a collective.
+            for event in self.events.values():
+                event.set()
+            self.seconds = time.perf_counter() - start
+
+
+def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
+            batch_bytes: int, groups: Any = None) -> ExecuteStats:
+    """Read this rank's pieces and run the broadcasts of ``plan`` (``rank``: its index there)."""
+    reads = plan.reads_for(rank)
+    # Which read positions feed which broadcast items (this rank's sources, in order).
+    events: dict[int, threading.Event] = {}
+    by_item: dict[int, threading.Event] = {}
+    items = []
+    position = 0
+    from dcp_broadcast import BroadcastItem
+
+    for index, item in enumerate(plan.broadcasts):
+        tensor = None
+        if rank in item.ranks:
+            tensor = targets[item.name].view(item.offsets, item.sizes)
+        if item.reader == rank:
+            event = threading.Event()
+            events[position] = event
+            by_item[index] = event
+            position += 1
+        items.append(BroadcastItem(src=item.reader, ranks=item.ranks, nbytes=item.nbytes, tensor=tensor))
+    assert all(r.reader == rank for r in reads[:position])
+
+    before = reader.bytes_read
+    thread = _ReadAhead(reader, reads, targets, events)
+    thread.start()
+    broadcasts = sent = received = 0
+    t0 = time.perf_counter()
+    try:
+        if items:
+            from dcp_broadcast import broadcast_items
+
+            def prepare(index: int) -> None:
+                by_item[index].wait()
+
+            stats = broadcast_items(platform, items, batch_bytes=batch_bytes, groups=groups, prepare=prepare)
+            broadcasts, sent, received = stats.broadcasts, stats.bytes_sent, stats.bytes_received
+    except BaseException:
+        thread.stop.set()
+        raise
+    finally:
+        bcast_s = time.perf_counter() - t0
+        thread.join()
+    platform_sync = getattr(platform, "synchronize", None)
+    if platform_sync is not None:
+        platform_sync()
+    logger.debug("rank %d: read %d piece(s) in %.4f s on the read-ahead thread; %d broadcast(s) "
+                 "in %.4f s", platform.rank(), thread.done, thread.seconds, broadcasts, bcast_s)
+    return ExecuteStats(
+        pieces_read=thread.done, bytes_read=reader.bytes_read - before, broadcasts=broadcasts,
+        bytes_sent=sent, bytes_received=received, read_seconds=thread.seconds,
+        broadcast_seconds=bcast_s, errors=tuple(thread.errors),
+    )

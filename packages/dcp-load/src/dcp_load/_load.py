@@ -1,0 +1,187 @@
+"""``load``: fill a state dict in place from a checkpoint, reading every needed byte once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import LoadError
+from ._execute import execute
+from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
+from ._report import LoadReport
+from ._state import Chunk, flatten_state_dict, is_tensor
+from ._targets import Target, target_for
+from ._validate import check_reads, check_targets, exchange
+
+__all__ = ["load", "resolve_platform"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
+
+
+def _check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: bool, groups: Any,
+                     batch_bytes: Any, no_dist: bool, use_collectives: bool) -> None:
+    if checkpoint_id is None and storage_reader is None:
+        raise ValueError("load: give checkpoint_id= (the checkpoint directory or file) or "
+                         "storage_reader= (an open dcp_reader.CheckpointReader)")
+    if checkpoint_id is not None and storage_reader is not None:
+        raise ValueError("load: give either checkpoint_id= or storage_reader=, not both "
+                         f"(got checkpoint_id={checkpoint_id!r} and a storage_reader)")
+    if groups is not None and not broadcast:
+        raise ValueError("load: broadcast_groups= was given with broadcast_replicated_tensors=False; "
+                         "drop broadcast_groups or set broadcast_replicated_tensors=True")
+    if groups is not None and (no_dist or not use_collectives):
+        raise ValueError("load: broadcast_groups= has no effect with no_dist=True or "
+                         "use_collectives=False (nothing is broadcast); drop it")
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+        raise ValueError(f"load: broadcast_batch_bytes must be an int >= 0 (0 disables packing), "
+                         f"got {batch_bytes!r}")
+
+
+def resolve_platform(platform: Any, leaves: Any) -> Any:
+    """The platform given (object or name), else chosen from $DCP_PLATFORM or the first tensor."""
+    from dcp_platform import Platform, get_platform
+
+    if isinstance(platform, Platform):
+        return platform
+    if platform is not None:
+        return get_platform(platform)
+    for leaf in leaves:
+        if is_tensor(leaf.value):
+            value = leaf.value.tensor if isinstance(leaf.value, Chunk) else leaf.value
+            return get_platform(tensor=value)
+    return get_platform(os.environ.get("DCP_PLATFORM") or "torch")
+
+
+def _flags(target: Target, caps: Any, broadcast: bool) -> int:
+    flags = 0
+    if broadcast:
+        device = target.adapter.device_type(target.local)
+        if (caps.host_collectives if device == "cpu" else device == caps.device_type):
+            flags |= BROADCASTABLE
+    if target.adapter.views:
+        flags |= VIEWS
+    return flags
+
+
+class _Phases:
+    """Per-phase wall times, logged at DEBUG with the rank as each phase ends."""
+
+    def __init__(self, rank: int):
+        self.rank, self.seconds = rank, {}
+        self.start = self._mark = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        logger.debug("rank %d: load phase %s took %.4f s", self.rank, phase, now - self._mark)
+        self._mark = now
+
+
+def load(
+    state_dict: Mapping[Any, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str] | None = None,
+    storage_reader: Any = None,
+    planner: Planner | None = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+    broadcast_replicated_tensors: bool = True,
+    broadcast_groups: Any = None,
+    broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES,
+    strict: bool = True,
+    platform: Any = None,
+    allow_pickle: bool = False,
+) -> LoadReport:
+    """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
+
+    ``checkpoint_id``: a checkpoint directory (any format ``dcp_reader`` detects) or
+    ``storage_reader``: an open ``dcp_reader.CheckpointReader`` (left open). ``planner``:
+    chooses the reader of each replicated box (default: ``GreedyPlanner``). ``no_dist`` or
+    ``use_collectives=False``: no collective at all, every rank reads what it holds.
+    ``broadcast_replicated_tensors``: boxes several ranks hold are read once and broadcast
+    (``broadcast_groups``: a ``dcp_broadcast.GroupManager`` or a mapping from rank tuples to
+    groups to reuse; ``broadcast_batch_bytes``: boxes below it are packed, 0 disables).
+    ``strict=False`` skips entries the checkpoint lacks (listed in the report).
+    ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
+    ``allow_pickle``: allow pickled non-tensor values (torch DCP checkpoints store them so).
+
+    Every problem is found before any destination is written; a failure on any rank raises
+    ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
+    """
+    _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
+                     broadcast_batch_bytes, no_dist, use_collectives)
+    leaves = flatten_state_dict(state_dict)
+    platform = resolve_platform(platform, leaves)
+    rank = platform.rank()
+    collective = not no_dist and use_collectives and platform.is_distributed()
+    broadcast = collective and broadcast_replicated_tensors
+    phases = _Phases(rank)
+
+    reader, owned = storage_reader, False
+    errors: list[str] = []
+    targets: list[Target] = []
+    values: list[Any] = []
+    missing: list[str] = []
+    wants: list[Want] = []
+    try:
+        try:
+            tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
+            values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+            targets = [target_for(leaf) for leaf in tensor_leaves]
+            if reader is None:
+                from dcp_reader import open_checkpoint
+
+                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle)
+                owned = True
+            errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
+            errors.extend(errs)
+            caps = platform.capabilities
+            wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast)) for t in targets]
+        except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
+            errors.append(f"{type(exc).__name__}: {exc}")
+        gathered = exchange(platform, errors, "validate", collective=collective, payload=wants)
+        phases.end("prepare")
+
+        plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner)
+        me = rank if collective else 0
+        reads = plan.reads_for(me)
+        phases.end("plan")
+
+        errs, got = check_reads(reader, reads, values)
+        exchange(platform, errs, "validate", collective=collective)
+        phases.end("validate")
+
+        by_name = {t.name: t for t in targets}
+        try:
+            stats = execute(platform, reader, plan, me, by_name, batch_bytes=broadcast_batch_bytes,
+                            groups=broadcast_groups)
+        except Exception as exc:
+            raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+        phases.end("execute")
+
+        job_read = exchange(platform, stats.errors, "execute", collective=collective, payload=stats.bytes_read)
+        for leaf in values:
+            leaf.replace(got[leaf.name])
+        phases.end("finish")
+    finally:
+        if owned and reader is not None:
+            reader.close()
+    seconds = dict(phases.seconds)
+    seconds["total"] = time.perf_counter() - phases.start
+    report = LoadReport(
+        rank=rank, world_size=platform.world_size() if collective else 1, format=reader.format,
+        tensors=len(targets), values=len(values),
+        bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
+        bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
+        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
+        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing),
+    )
+    logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
+                 "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],
+                 report.bytes_read, report.bytes_needed, report.bytes_received, report.broadcasts)
+    return report

@@ -1,0 +1,54 @@
+"""What ``load`` returns: where this rank's bytes came from, and how long each phase took."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = ["LoadReport"]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One rank's account of one ``load``.
+
+    ``bytes_needed``: bytes of the boxes this rank's state dict holds (what it loaded).
+    ``bytes_read``: bytes this rank took from storage (as counted by the reader; a format
+    that cannot narrow a read counts the whole blob). ``bytes_received`` / ``bytes_sent``:
+    bytes that reached this rank by broadcast / that it broadcast. ``broadcasts``:
+    collectives this rank took part in. ``pieces_read``: boxes it read from storage.
+    ``job_bytes_read``: ``bytes_read`` summed over all ranks; ``job_unique_bytes``: bytes of
+    the distinct boxes any rank wanted (a read-once load has ``read_amplification`` 1.0).
+    ``seconds``: wall time per phase (``prepare``, ``plan``, ``validate``, ``execute``,
+    ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``.
+    """
+
+    rank: int
+    world_size: int
+    format: str
+    tensors: int
+    values: int
+    bytes_needed: int
+    bytes_read: int
+    bytes_received: int
+    bytes_sent: int
+    broadcasts: int
+    pieces_read: int
+    job_bytes_read: int
+    job_unique_bytes: int
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    missing: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
+                     "pieces_read", "job_bytes_read", "job_unique_bytes", "tensors", "values"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
+        object.__setattr__(self, "seconds", MappingProxyType(dict(self.seconds)))
+        object.__setattr__(self, "missing", tuple(self.missing))
+
+    @property
+    def read_amplification(self) -> float:
+        """``job_bytes_read / job_unique_bytes``: 1.0 when every needed byte was read once."""
+        return self.job_bytes_read / self.job_unique_bytes if self.job_unique_bytes else 1.0

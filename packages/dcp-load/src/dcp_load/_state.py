@@ -1,0 +1,145 @@
+"""Flattening a nested state dict into checkpoint names, and the ``Chunk`` annotation.
+
+Names follow torch.distributed.checkpoint's flattening (``_traverse.traverse_state_dict``
+since torch 2.4), so that the keys of a checkpoint saved by either tool match:
+
+* a mapping is always descended into; its keys become ``str(key)``;
+* a list is descended into (element names ``"0"``, ``"1"``...) only when it holds a tensor,
+  a mapping, or a list that is itself descended into; otherwise the whole list is one value;
+* anything else (tuples included) is a leaf.
+
+Leaves that are tensors are loaded in place; other leaves are replaced in their container.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Chunk", "Leaf", "flatten_state_dict", "is_tensor"]
+
+
+def _shape_of(tensor: Any) -> tuple[int, ...]:
+    shape = getattr(tensor, "shape", None)
+    if shape is None:
+        raise TypeError(f"Chunk.tensor must be a tensor with a .shape, got {type(tensor).__qualname__}")
+    return tuple(int(s) for s in shape)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A tensor that holds the box ``[offsets, offsets + tensor.shape)`` of a global tensor.
+
+    This is how a MindSpore tensor, or a torch tensor sharded by hand, says which part of
+    the checkpoint's ``global_shape`` tensor it holds. ``load`` fills ``tensor`` in place;
+    ``save`` writes it as one chunk of the global tensor.
+    """
+
+    tensor: Any
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        try:
+            global_shape = tuple(int(s) for s in self.global_shape)
+            offsets = tuple(int(o) for o in self.offsets)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"Chunk: global_shape and offsets must be sequences of ints, got "
+                f"global_shape={self.global_shape!r}, offsets={self.offsets!r}"
+            ) from exc
+        object.__setattr__(self, "global_shape", global_shape)
+        object.__setattr__(self, "offsets", offsets)
+        local = _shape_of(self.tensor)
+        if not (len(global_shape) == len(offsets) == len(local)):
+            raise ValueError(
+                f"Chunk: tensor of shape {local}, global_shape {global_shape} and offsets "
+                f"{offsets} must have the same number of dimensions"
+            )
+        bad = [d for d, (o, n, g) in enumerate(zip(offsets, local, global_shape, strict=True)) if o < 0 or o + n > g]
+        if bad:
+            raise ValueError(
+                f"Chunk: the box offsets={offsets} shape={local} does not fit in global_shape "
+                f"{global_shape} along dimension(s) {bad}; offsets + shape must be <= global_shape"
+            )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The shape of the box this chunk holds (the local tensor's shape)."""
+        return _shape_of(self.tensor)
+
+
+def is_tensor(value: Any) -> bool:
+    """A value that is loaded in place: a torch or MindSpore tensor, or a ``Chunk``.
+
+    Frameworks are looked up only when already imported, so none is imported here.
+    """
+    if isinstance(value, Chunk):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        return True
+    module = type(value).__module__ or ""
+    if module.split(".", 1)[0] == "mindspore":
+        ms = sys.modules.get("mindspore")
+        return ms is not None and isinstance(value, ms.Tensor)
+    return False
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One flattened entry: its name, its value, and where it sits (to replace non-tensors)."""
+
+    name: str
+    value: Any
+    container: Any
+    key: Any
+
+    def replace(self, new: Any) -> None:
+        """Put ``new`` where this leaf's value sits (used for non-tensor values)."""
+        self.container[self.key] = new
+
+
+def _descends(value: Any) -> bool:
+    """Whether flattening goes inside ``value`` (torch's ``not _is_terminal``)."""
+    if isinstance(value, Mapping):
+        return True
+    if not isinstance(value, list):
+        return False
+    return any(is_tensor(v) or _descends(v) for v in value)
+
+
+def _walk(path: str, value: Any, container: Any, key: Any) -> Iterator[Leaf]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _walk(f"{path}.{k}", v, value, k)
+    elif _descends(value):
+        for i, v in enumerate(value):
+            yield from _walk(f"{path}.{i}", v, value, i)
+    else:
+        yield Leaf(path, value, container, key)
+
+
+def flatten_state_dict(state_dict: Mapping[Any, Any]) -> list[Leaf]:
+    """The leaves of ``state_dict`` under torch.distributed.checkpoint's flattened names.
+
+    Raises ``ValueError`` when two entries flatten to the same name (for example a key
+    ``"a.b"`` next to ``{"a": {"b": ...}}``), naming both.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping (dict), got {type(state_dict).__qualname__}")
+    leaves: list[Leaf] = []
+    seen: set[str] = set()
+    for k, v in state_dict.items():
+        for leaf in _walk(str(k), v, state_dict, k):
+            if leaf.name in seen:
+                raise ValueError(
+                    f"two state dict entries flatten to the same name {leaf.name!r}; rename one "
+                    "(nested keys are joined with '.')"
+                )
+            seen.add(leaf.name)
+            leaves.append(leaf)
+    return leaves
+

@@ -1,0 +1,162 @@
+"""Planning as pure functions: intersections (resharding), replica groups, the greedy
+reader choice (heaviest first, fewest bytes, ties by rank), flags, and scale."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import pytest
+from dcp_load import GreedyPlanner, ReadItem, build_global_plan
+from dcp_load._plan import BROADCASTABLE, VIEWS, intersect
+
+BOTH = BROADCASTABLE | VIEWS
+
+
+@dataclass(frozen=True)
+class C:  # the fields of dcp_reader.ChunkMeta the planner uses
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str = "f0"
+
+
+@dataclass(frozen=True)
+class T:  # the fields of dcp_reader.TensorMeta the planner uses
+    shape: tuple[int, ...]
+    chunks: tuple[C, ...]
+    itemsize: int = 4
+
+
+def rows(shape: tuple[int, int], parts: int, file: str = "f0") -> T:
+    step = shape[0] // parts
+    return T(shape, tuple(C((i * step, 0), (step, shape[1]), f"{file}-{i}") for i in range(parts)))
+
+
+def test_intersect_reshards() -> None:
+    t = rows((8, 4), 4)  # saved TP4 on rows
+    assert intersect(t.chunks, (0, 0), (4, 4)) == [(0, (0, 0), (2, 4)), (1, (2, 0), (2, 4))]
+    assert intersect(t.chunks, (3, 1), (2, 2)) == [(1, (3, 1), (1, 2)), (2, (4, 1), (1, 2))]
+    assert intersect(t.chunks, (0, 0), (0, 4)) == []  # empty box
+    assert intersect((C((), ()),), (), ()) == [(0, (), ())]  # 0-dim
+
+
+def test_replicas_form_groups_and_each_box_is_read_once() -> None:
+    tensors = {"w": rows((8, 4), 2), "b": T((4,), (C((0,), (4,)),))}
+    want_all = [("w", (0, 0), (8, 4), BOTH), ("b", (0,), (4,), BOTH)]
+    plan = build_global_plan(tensors, [want_all] * 4)
+    assert plan.local == ()
+    assert {(i.name, i.offsets) for i in plan.broadcasts} == {("w", (0, 0)), ("w", (4, 0)), ("b", (0,))}
+    assert all(i.ranks == (0, 1, 2, 3) for i in plan.broadcasts)
+    # heaviest first to the least loaded, ties to the lower rank: w0 -> 0, w1 -> 1, b -> 2
+    readers = {(i.name, i.offsets): i.reader for i in plan.broadcasts}
+    assert readers == {("w", (0, 0)): 0, ("w", (4, 0)): 1, ("b", (0,)): 2}
+    assert sum(plan.loads) == plan.unique_bytes == 8 * 4 * 4 + 4 * 4
+    assert [i.reader for i in plan.reads_for(0)] == [0]
+
+
+def test_no_broadcast_means_every_rank_reads() -> None:
+    tensors = {"w": rows((8, 4), 2)}
+    wants = [[("w", (0, 0), (8, 4), BOTH)]] * 3
+    plan = build_global_plan(tensors, wants, broadcast=False)
+    assert plan.broadcasts == ()
+    assert plan.loads == (128, 128, 128)
+    assert len(plan.reads_for(2)) == 2
+
+
+def test_flags_decide_from_gathered_data() -> None:
+    tensors = {"w": rows((8, 4), 2)}
+    # rank 1's destination cannot take broadcasts: nobody broadcasts the box to it.
+    wants = [[("w", (0, 0), (8, 4), BOTH)], [("w", (0, 0), (8, 4), VIEWS)]]
+    plan = build_global_plan(tensors, wants)
+    assert plan.broadcasts == () and plan.loads == (128, 128)
+    # no sub-box views (MindSpore): only pieces equal to the whole wanted box are broadcast
+    wants = [[("w", (0, 0), (4, 4), BROADCASTABLE), ("v", (0, 0), (8, 4), BROADCASTABLE)]] * 2
+    tensors["v"] = rows((8, 4), 2)
+    plan = build_global_plan(tensors, wants)
+    assert [i.name for i in plan.broadcasts] == ["w"]
+    assert sorted(i.name for i in plan.local) == ["v", "v"]
+
+
+def test_dp2_tp2_from_tp4_groups_per_tp_rank() -> None:
+    tensors = {"w": T((8, 8), tuple(C((0, 2 * i), (8, 2), f"r{i}") for i in range(4)))}  # TP4 on cols
+    # dp2 x tp2 on cols: ranks 0,2 hold cols 0-3, ranks 1,3 hold cols 4-7
+    wants = [[("w", (0, 4 * (r % 2)), (8, 4), BOTH)] for r in range(4)]
+    plan = build_global_plan(tensors, wants)
+    assert plan.local == ()
+    assert sorted((i.offsets, i.ranks) for i in plan.broadcasts) == [
+        ((0, 0), (0, 2)), ((0, 2), (0, 2)), ((0, 4), (1, 3)), ((0, 6), (1, 3))]
+    assert plan.loads == (64, 64, 64, 64)
+
+
+def test_local_bytes_count_before_assignment() -> None:
+    tensors = {"big": T((100,), (C((0,), (100,)),)), "rep": T((10,), (C((0,), (10,)),))}
+    wants = [[("big", (0,), (100,), BOTH), ("rep", (0,), (10,), BOTH)], [("rep", (0,), (10,), BOTH)]]
+    plan = build_global_plan(tensors, wants)
+    assert plan.broadcasts[0].reader == 1  # rank 0 already reads 400 bytes on its own
+
+
+def test_plan_is_deterministic_and_in_agreed_order() -> None:
+    tensors = {f"t{i}": rows((16, 4), 4, file=f"f{i % 3}") for i in range(20)}
+    wants = [[(n, (4 * (r % 4), 0), (4, 4), BOTH) for n in tensors] for r in range(8)]
+    a = build_global_plan(tensors, wants)
+    b = build_global_plan(dict(reversed(tensors.items())), wants)
+    assert a == b
+    keys = [(tensors[i.name].chunks[i.chunk].file, i.name, i.offsets) for i in a.broadcasts]
+    assert keys == sorted(keys)
+    assert max(a.loads) - min(a.loads) <= 64
+
+
+def test_missing_names_are_skipped() -> None:
+    plan = build_global_plan({}, [[("nope", (0,), (1,), BOTH)]])
+    assert plan.broadcasts == () and plan.local == ()
+
+
+def test_custom_planner_is_the_seam() -> None:
+    class Last:
+        def assign(self, groups, loads):
+            return [g.ranks[-1] for g in groups]
+
+    tensors = {"w": rows((8, 4), 2)}
+    plan = build_global_plan(tensors, [[("w", (0, 0), (8, 4), BOTH)]] * 3, planner=Last())
+    assert {i.reader for i in plan.broadcasts} == {2}
+
+    class Bad:
+        def assign(self, groups, loads):
+            return [99 for _ in groups]
+
+    with pytest.raises(ValueError, match="outside its ranks"):
+        build_global_plan(tensors, [[("w", (0, 0), (8, 4), BOTH)]] * 3, planner=Bad())
+
+
+def test_read_item_invariants() -> None:
+    with pytest.raises(ValueError, match="reader 5"):
+        ReadItem("w", 0, (0,), (1,), 4, (0, 1), reader=5)
+    with pytest.raises(ValueError, match="differ in rank"):
+        ReadItem("w", 0, (0,), (1, 1), 4, (0,))
+
+
+def test_greedy_balances_overlapping_rank_sets() -> None:
+    groups = [ReadItem("a", 0, (i,), (1,), 10, (0, 1)) for i in range(4)]
+    groups += [ReadItem("b", 0, (i,), (1,), 10, (1, 2)) for i in range(4)]
+    groups.sort(key=lambda g: (-g.nbytes, g.name, g.offsets))
+    loads = [0, 0, 0]
+    readers = GreedyPlanner().assign(groups, loads)
+    assert readers == [0, 1, 0, 1, 2, 2, 1, 2]
+    assert loads == [20, 30, 30]
+    assert sum(loads) == 80
+
+
+def test_scales_to_thousands_of_ranks() -> None:
+    # 1024 ranks = dp128 x tp8, 200 tensors saved tp8: linear in (rank, piece) wants.
+    world, tp = 1024, 8
+    tensors = {f"layer{i}.w": T((4096, 512), tuple(C((0, 64 * j), (4096, 64), f"r{j}") for j in range(tp)), 2)
+               for i in range(200)}
+    wants = [[(n, (0, 64 * (r % tp)), (4096, 64), BOTH) for n in tensors] for r in range(world)]
+    t0 = time.perf_counter()
+    plan = build_global_plan(tensors, wants)
+    elapsed = time.perf_counter() - t0
+    assert len(plan.broadcasts) == 200 * tp and plan.local == ()
+    assert sum(plan.loads) == plan.unique_bytes == 200 * math.prod((4096, 512)) * 2
+    assert max(plan.loads) - min(plan.loads) <= 4096 * 64 * 2
+    assert elapsed < 20, elapsed
