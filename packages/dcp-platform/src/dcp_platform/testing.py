@@ -1,4 +1,7 @@
-"""Run a function on N real local ranks (torch.distributed over gloo), for tests and demos.
+"""Run a function on N real local ranks, for tests and demos.
+
+torch: ``run_ranks`` (torch.distributed over gloo). MindSpore: ``run_mindspore_workers``
+(a MindSpore scheduler process plus N CPU workers, see its docstring).
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, initialises a gloo
 process group in each through a ``file://`` store with an explicit timeout, calls
@@ -15,7 +18,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -23,7 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RanksFailed", "run_ranks"]
+__all__ = ["RanksFailed", "run_mindspore_workers", "run_ranks"]
 
 _CTX: Any = None
 
@@ -131,6 +139,149 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     for r in range(world_size):
         if r not in outcome:
             failures[r] = f"no result within {timeout:.0f} s (killed)"
+    if failures:
+        raise RanksFailed(failures)
+    return [outcome[r][1] for r in range(world_size)]
+
+
+# -- MindSpore ------------------------------------------------------------------------------
+
+# A MindSpore launch costs 20-30 s here (FACTS.md: mostly importing mindspore in 3 processes
+# on 2 cores), so failing ranks are not waited on for long: once one rank has failed, the
+# others get this long to report before they are killed (they are usually blocked in a
+# collective that will never complete).
+_MS_FAIL_GRACE_S = 10.0
+# After every worker has reported, processes still finalising get this long to exit.
+_MS_EXIT_GRACE_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _log_tail(path: str, lines: int = 40) -> str:
+    """The end of a child's log without MindSpore's INFO/WARNING chatter."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().splitlines()
+    except OSError:
+        return "(no log)"
+    kept = [ln for ln in text if not ln.startswith(("[INFO]", "[WARNING]"))]
+    return "\n".join(kept[-lines:]) or "(log is empty)"
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # unkillable (D state); nothing more can be done
+        pass
+
+
+def run_mindspore_workers(fn: Callable[..., Any], world_size: int, *args: Any,
+                          timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` MindSpore CPU workers.
+
+    Starts a MindSpore scheduler process and ``world_size`` worker processes wired together
+    by ``MS_ROLE``/``MS_SCHED_HOST``/``MS_SCHED_PORT``/``MS_WORKER_NUM``/``MS_NODE_ID`` on
+    a free local port. Each worker sets the CPU device, calls
+    ``mindspore.communication.init()`` and then ``fn``. Returns the results in rank order.
+
+    ``fn`` must be a module-level function (it is imported by name in the workers, from its
+    file when its module is not importable there, e.g. a pytest module); ``args`` and the
+    results must be picklable. A failure on any rank raises ``RanksFailed`` with each
+    failing rank's traceback and the end of its log; ranks still running then are killed
+    after a short grace, and everything is killed at ``timeout``, so a caller never hangs.
+    Each launch costs 20-30 s on a 2-core machine: run many checks in one launch.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    module_name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module_name or "<" in qualname:
+        raise ValueError(
+            f"run_mindspore_workers: fn must be a module-level function, got {fn!r}; "
+            "define it at the top level of a module"
+        )
+    module = sys.modules.get(module_name)
+    job = {"module": module_name, "qualname": qualname, "file": getattr(module, "__file__", None),
+           "args": args, "world_size": world_size}
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryDirectory(prefix="dcp-ms-") as job_dir:
+        with open(os.path.join(job_dir, "job.pkl"), "wb") as f:
+            pickle.dump(job, f)
+        base_env = dict(os.environ)
+        # MindSpore logs at INFO/WARNING to stderr by default; errors are enough here.
+        base_env.setdefault("GLOG_v", "3")
+        base_env.update(env or {})
+        base_env.update({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(_free_port()),
+                         "MS_WORKER_NUM": str(world_size)})
+        base_env.pop("MS_NODE_ID", None)
+
+        def start(role: str, *extra: str, **more_env: str) -> tuple[subprocess.Popen[bytes], str]:
+            log = os.path.join(job_dir, f"{role}{''.join(extra)}.log")
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "dcp_platform._mindspore_child", role, job_dir, *extra],
+                    env={**base_env, **more_env}, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            return proc, log
+
+        sched, sched_log = start("sched", MS_ROLE="MS_SCHED")
+        workers = [start("worker", str(r), MS_ROLE="MS_WORKER", MS_NODE_ID=str(r))
+                   for r in range(world_size)]
+        outcome: dict[int, tuple[bool, Any]] = {}
+        first_failure: float | None = None
+        try:
+            while len(outcome) < world_size:
+                now = time.monotonic()
+                if now >= deadline or (first_failure is not None and now >= first_failure + _MS_FAIL_GRACE_S):
+                    break
+                for r, (proc, log) in enumerate(workers):
+                    if r in outcome:
+                        continue
+                    path = os.path.join(job_dir, f"result-{r}.pkl")
+                    exited = proc.poll() is not None
+                    if os.path.exists(path):
+                        with open(path, "rb") as f:
+                            ok, payload = pickle.load(f)
+                        outcome[r] = (ok, payload if ok else f"{payload}\n--- log ---\n{_log_tail(log)}")
+                    elif exited:
+                        outcome[r] = (False, f"exited with code {proc.returncode} without reporting\n"
+                                             f"--- log ---\n{_log_tail(log)}")
+                    else:
+                        continue
+                    if not outcome[r][0] and first_failure is None:
+                        first_failure = time.monotonic()
+                if sched.poll() is not None and sched.returncode != 0 and len(outcome) < world_size:
+                    # Without a scheduler the workers cannot finish init(): fail now.
+                    for r in range(world_size):
+                        outcome.setdefault(r, (False, f"the MindSpore scheduler exited with code "
+                                                      f"{sched.returncode}:\n{_log_tail(sched_log)}"))
+                    break
+                time.sleep(0.2)
+            if len(outcome) == world_size and all(ok for ok, _ in outcome.values()):
+                end = min(deadline, time.monotonic() + _MS_EXIT_GRACE_S)
+                for proc, _ in [*workers, (sched, sched_log)]:
+                    try:
+                        proc.wait(timeout=max(0.0, end - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+        finally:
+            for proc, _ in [*workers, (sched, sched_log)]:
+                _kill_group(proc)
+        for r in range(world_size):
+            if r not in outcome:
+                why = (f"no result within {timeout:.0f} s (killed)" if first_failure is None
+                       else "killed: no result after another rank failed")
+                outcome[r] = (False, f"{why}\n--- log ---\n{_log_tail(workers[r][1])}")
+    failures = {r: str(v) for r, (ok, v) in outcome.items() if not ok}
     if failures:
         raise RanksFailed(failures)
     return [outcome[r][1] for r in range(world_size)]
