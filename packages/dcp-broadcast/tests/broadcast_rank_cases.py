@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dcp_platform import Capabilities, Platform, get_platform
-
 from dcp_broadcast import BroadcastItem, GroupManager, ScheduleMismatchError, broadcast_items
+from dcp_platform import Capabilities, Platform, get_platform
 
 POISON = 0x7F
 WORLD4 = (0, 1, 2, 3)
@@ -416,7 +415,7 @@ def _os_threads() -> int:
 def lifecycle_cases(rank: int, world: int, repetitions: int) -> dict[str, Any]:
     platform = get_platform("torch")
     pg_map = dist.distributed_c10d._world.pg_map
-    specs = interleaved_specs(9, 40)
+    specs = interleaved_specs(9, 16)  # small: the point is 20 rounds of create and destroy
     first = _run(platform, rank, specs, batch_bytes=2048)  # warm-up: lazily started threads
     before = (threading.active_count(), _os_threads(), len(pg_map))
     errors = list(first["errors"])

@@ -97,6 +97,12 @@ class GroupManager:
             self._created[key] = group
             if stale is not None:
                 self._platform.destroy_group(stale)
+        if missing:
+            # gloo's new_group returns on a rank before its peers finish connecting; a rank
+            # that destroyed a fresh group early (say, on an error) broke a peer's connect
+            # ("Connection closed by peer"). One all-gather keeps every rank here until all
+            # groups exist everywhere.
+            self._platform.all_gather_object(None)
         logger.debug("rank %d: groups ensured (%d needed, %d created) in %.4f s",
                      rank, len(keys), len(missing), time.perf_counter() - start)
 
