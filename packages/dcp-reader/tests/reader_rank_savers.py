@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 
 
+CONSOLIDATION_SKIPS = ("grid", "scalar")
+
+
 def full_tensors() -> dict:
     """The global tensors every rank shards; deterministic so the parent can rebuild them."""
     import torch
@@ -48,8 +51,9 @@ def save_sharded(rank: int, world_size: int, out: str) -> dict[str, float]:
     dcp.save(state(), storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(out, "hf-sharded"),
                                                                    save_distributed=True))
     times["hf"] = time.time()
-    # torch 2.13's consolidation calls torch.finfo on every dtype, so integer tensors fail there
-    dcp.save(state(skip=("grid",)),
+    # torch 2.13's consolidation calls torch.finfo on every dtype (integer tensors fail) and
+    # writes 0-dim tensors as zeros, so those two stay out of the consolidated save
+    dcp.save(state(skip=CONSOLIDATION_SKIPS),
              storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(out, "hf-consolidated"),
                                                                    save_distributed=True,
                                                                    enable_consolidation=True))
