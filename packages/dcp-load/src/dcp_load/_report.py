@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 __all__ = ["LoadReport"]
 
@@ -45,7 +44,7 @@ class LoadReport:
                      "pieces_read", "job_bytes_read", "job_unique_bytes", "tensors", "values"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
-        object.__setattr__(self, "seconds", MappingProxyType(dict(self.seconds)))
+        object.__setattr__(self, "seconds", dict(self.seconds))
         object.__setattr__(self, "missing", tuple(self.missing))
 
     @property

@@ -72,7 +72,7 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
             missing.append(leaf.name)
     if missing and strict:
         errors.append(f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
-                      f"{summarise(missing)}; remove them from the state dict or pass strict=False "
+                      f"{summarise([repr(n) for n in missing])}; remove them from the state dict or pass strict=False "
                       "to load the rest")
     if shape_bad:
         errors.append(f"shape mismatch for {len(shape_bad)} tensor(s): {summarise(shape_bad)}; "
