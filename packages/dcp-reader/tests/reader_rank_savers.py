@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-
 CONSOLIDATION_SKIPS = ("grid", "scalar")
 
 
@@ -26,7 +25,7 @@ def full_tensors() -> dict:
     }
 
 
-def save_sharded(rank: int, world_size: int, out: str) -> dict[str, float]:
+def save_sharded(rank: int, world_size: int, out: str) -> list[str]:
     """Save DTensor-sharded state with torch.distributed.checkpoint: default format into
     ``out/dcp``, HF storage writer (one file per rank) into ``out/hf-sharded`` and the same
     with consolidation into ``out/hf-consolidated``."""
@@ -34,9 +33,6 @@ def save_sharded(rank: int, world_size: int, out: str) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import time
-
-    times = {"start": time.time()}
     mesh = init_device_mesh("cpu", (world_size,))
     full = full_tensors()
     placements = {"rows": [Shard(0)], "cols": [Shard(1)], "grid": [Shard(0)], "rep": [Replicate()],
@@ -45,17 +41,13 @@ def save_sharded(rank: int, world_size: int, out: str) -> dict[str, float]:
     def state(skip: tuple[str, ...] = ()) -> dict:
         return {k: distribute_tensor(v, mesh, placements[k]) for k, v in full.items() if k not in skip}
 
-    times["mesh"] = time.time()
     dcp.save({**state(), "step": 7}, storage_writer=dcp.FileSystemWriter(os.path.join(out, "dcp")))
-    times["dcp"] = time.time()
     dcp.save(state(), storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(out, "hf-sharded"),
                                                                    save_distributed=True))
-    times["hf"] = time.time()
     # torch 2.13's consolidation calls torch.finfo on every dtype (integer tensors fail) and
     # writes 0-dim tensors as zeros, so those two stay out of the consolidated save
     dcp.save(state(skip=CONSOLIDATION_SKIPS),
              storage_writer=dcp.HuggingFaceStorageWriter(os.path.join(out, "hf-consolidated"),
                                                                    save_distributed=True,
                                                                    enable_consolidation=True))
-    times["consolidated"] = time.time()
-    return times
+    return sorted(os.listdir(out))

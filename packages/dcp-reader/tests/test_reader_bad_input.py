@@ -15,8 +15,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
-
 from dcp_reader import (
     METADATA_FILE,
     CheckpointError,
@@ -32,6 +30,7 @@ from dcp_reader import (
     UnsafePickleError,
     open_checkpoint,
 )
+from safetensors.torch import save_file
 
 
 def _native(path, tensors=None, *, files=None):

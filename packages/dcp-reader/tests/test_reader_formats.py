@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_platform.testing import run_ranks
-from safetensors.torch import save_file
-
 from dcp_reader import detect_format, open_checkpoint
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reader_rank_savers as savers  # noqa: E402

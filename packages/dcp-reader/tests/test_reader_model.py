@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from dcp_reader import (
     SCHEMA_VERSION,
     CheckpointMetadata,

@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from dcp_reader import (
     METADATA_FILE,
     CheckpointMetadata,
@@ -22,7 +21,6 @@ from dcp_reader import (
     NativeWriter,
     TensorMeta,
     UnsafePickleError,
-    ValueMeta,
     chunk_key,
     detect_format,
     open_checkpoint,

@@ -27,7 +27,7 @@ def numpy_to_mindspore(arr: Any, dtype: str) -> Any:
     import numpy as np
 
     np_dt = numpy_dtype(dtype)  # MindSpore is imported now: bf16 is a registered numpy type
-    a = np.array(arr, dtype=np_dt if arr.dtype.itemsize == np_dt.itemsize else None, copy=True)
+    a = np.array(arr, copy=True)  # MindSpore tensors own their memory; the map is read-only
     if a.dtype != np_dt:
-        a = a.view(np_dt)
+        a = a.view(np_dt)  # raw bits read before MindSpore registered bfloat16: reinterpret
     return ms.Tensor(a)
