@@ -459,3 +459,22 @@ def _mismatches(platform: Platform, rank: int) -> dict[str, Any]:
     # The ranks are still in step afterwards.
     results["after"] = _run(platform, rank, base)
     return results
+
+
+# -- the README's standalone example ---------------------------------------------------------
+def example_case(rank: int, world: int, path: str) -> list[str]:
+    """Run the example's push_parameters; return every parameter's bytes as hex digests."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("push_parameters_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 3))
+    if rank != 1:  # receivers poisoned
+        for t in model.state_dict().values():
+            t.view(torch.uint8).fill_(POISON)
+    stats = module.push_parameters(model, src=1)
+    digests = [hashlib.sha256(_raw(t).numpy().tobytes()).hexdigest() for t in model.state_dict().values()]
+    return [*digests, f"items={stats.items}"]

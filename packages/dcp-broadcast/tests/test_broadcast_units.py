@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dcp_platform import get_platform
-
 from dcp_broadcast import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_MAX_IN_FLIGHT,
@@ -16,6 +14,7 @@ from dcp_broadcast import (
     broadcast_items,
 )
 from dcp_broadcast._plan import build_plan
+from dcp_platform import get_platform
 
 
 def test_broadcast_item_normalises_and_validates():

@@ -13,7 +13,7 @@ from dcp_platform import Platform
 
 from ._groups import GroupManager
 from ._items import DEFAULT_BATCH_BYTES, DEFAULT_MAX_IN_FLIGHT, BroadcastItem, BroadcastStats
-from ._plan import Transfer, build_plan
+from ._plan import Transfer, build_plan, supports_byte_ranges
 from ._schedule import check_schedule as _check_schedule
 from ._validate import item_errors, validate_arguments
 
@@ -153,6 +153,13 @@ def broadcast_items(
         raise ValueError(f"broadcast_items: invalid items on rank {rank}:\n  " + "\n  ".join(errors))
     t_plan = time.perf_counter()
     plan = build_plan(items, batch_bytes)
+    if any(t.batched for t in plan) and not supports_byte_ranges(platform):
+        # Packing needs typed views of parts of one buffer; without them every item goes
+        # alone. Every rank runs the same backend, so every rank decides the same way.
+        logger.warning("the %r platform cannot view part of a byte buffer as a tensor; "
+                       "broadcasting every item alone (batch_bytes=%d ignored)", platform.name,
+                       batch_bytes)
+        plan = build_plan(items, 0)
     logger.debug("rank %d: planned %d broadcast(s) for %d item(s) in %.4f s", rank, len(plan),
                  len(items), time.perf_counter() - t_plan)
     manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups)

@@ -1,0 +1,92 @@
+"""dcp-broadcast on 4 local gloo ranks: batched against one broadcast per item, and large
+tensors against a plain torch.distributed.broadcast loop, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_broadcast.py [--repeats 3]
+
+Each figure is the median over ``--repeats`` runs of the slowest rank's wall time (ranks
+start together after a barrier). Replicated items are spread over the 4 ranks as sources
+(item i comes from rank i % 4), as dcp-load spreads the reading of replicated shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from dcp_platform import get_platform
+from dcp_platform.testing import run_ranks
+
+from dcp_broadcast import BroadcastItem, broadcast_items
+
+WORLD = 4
+SMALL = [(1000, 4 * 1024), (500, 64 * 1024)]
+LARGE = (4, 64 * 1024 * 1024)  # 4 x 64 MiB
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median over repeats of the slowest rank's seconds."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        mine = time.perf_counter() - start
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        times.append(max(everyone))
+    return statistics.median(times)
+
+
+def _bench(rank: int, world: int, repeats: int) -> dict[str, float]:
+    platform = get_platform("torch")
+    everyone = tuple(range(world))
+    out: dict[str, float] = {}
+    for count, size in SMALL:
+        tensors = [torch.full((size // 4,), float(i)) for i in range(count)]
+        items = [BroadcastItem(i % world, everyone, size, t) for i, t in enumerate(tensors)]
+        label = f"{count} x {size // 1024} KiB"
+        out[f"{label} batched"] = _timed(lambda items=items: broadcast_items(platform, items), repeats)
+        out[f"{label} one per item"] = _timed(
+            lambda items=items: broadcast_items(platform, items, batch_bytes=0), repeats)
+
+        def plain(tensors=tensors) -> None:
+            for i, t in enumerate(tensors):
+                dist.broadcast(t, src=i % world)
+
+        out[f"{label} torch loop"] = _timed(plain, repeats)
+    count, size = LARGE
+    big = [torch.full((size // 4,), float(i)) for i in range(count)]
+    items = [BroadcastItem(i % world, everyone, size, t) for i, t in enumerate(big)]
+    out["large broadcast_items"] = _timed(lambda: broadcast_items(platform, items), repeats)
+
+    def plain_large() -> None:
+        for i, t in enumerate(big):
+            dist.broadcast(t, src=i % world)
+
+    out["large torch loop"] = _timed(plain_large, repeats)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    t = run_ranks(_bench, WORLD, args.repeats, timeout=600)[0]
+    print(f"dcp-broadcast, {WORLD} gloo ranks, median of {args.repeats}, torch {torch.__version__}")
+    print(f"{'items':<16} {'batched':>10} {'one/item':>10} {'torch loop':>11} {'one/item : batched':>19}")
+    for count, size in SMALL:
+        label = f"{count} x {size // 1024} KiB"
+        b, o, p = (t[f"{label} {k}"] for k in ("batched", "one per item", "torch loop"))
+        print(f"{label:<16} {b * 1e3:>8.1f}ms {o * 1e3:>8.1f}ms {p * 1e3:>9.1f}ms {o / b:>18.1f}x")
+    count, size = LARGE
+    total = count * size
+    a, p = t["large broadcast_items"], t["large torch loop"]
+    print(f"large: {count} x {size >> 20} MiB   broadcast_items {total / a / 1e9:.2f} GB/s   "
+          f"torch loop {total / p / 1e9:.2f} GB/s   ratio {p / a:.2f}")
+
+
+if __name__ == "__main__":
+    main()
