@@ -474,7 +474,7 @@ def example_case(rank: int, world: int, path: str) -> list[str]:
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 3))
     if rank != 1:  # receivers poisoned
         for t in model.state_dict().values():
-            t.view(torch.uint8).fill_(POISON)
+            t.reshape(-1).view(torch.uint8).fill_(POISON)
     stats = module.push_parameters(model, src=1)
     digests = [hashlib.sha256(_raw(t).numpy().tobytes()).hexdigest() for t in model.state_dict().values()]
     return [*digests, f"items={stats.items}"]
