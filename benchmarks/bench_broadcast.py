@@ -16,10 +16,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from dcp_broadcast import BroadcastItem, broadcast_items
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
-
-from dcp_broadcast import BroadcastItem, broadcast_items
 
 WORLD = 4
 SMALL = [(1000, 4 * 1024), (500, 64 * 1024)]
