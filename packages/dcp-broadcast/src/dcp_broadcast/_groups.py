@@ -85,6 +85,9 @@ class GroupManager:
             raise ValueError(f"GroupManager.ensure: rank sets {out_of_range} exceed world size {world}")
         if not self.subgroups or not self._platform.is_distributed():
             return
+        if all(k == self._world() for k in keys):
+            # Every rank sees the same rank sets, so every rank skips the all-gather alike.
+            return
         start = time.perf_counter()
         rank = self._platform.rank()
         missing_here = [k for k in keys if rank in k and not self._have(k)]
