@@ -70,6 +70,22 @@ class TorchKit:
     def bytes_of(self, t: Any) -> bytes:
         return t.contiguous().reshape(-1).view(self.torch.uint8).numpy().tobytes()
 
+    def set_byte(self, raw_u8: Any, index: int, value: int) -> None:
+        raw_u8[index] = value
+
+    def queue_copy(self, dst: Any, src: Any) -> np.ndarray:
+        """Start copying src into dst; return dst's memory as an array that waits on nothing."""
+        out = dst.numpy()
+        dst.copy_(src)
+        return out
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def transposed_view(self, rows: int, cols: int, dtype: str) -> tuple[Any, Any]:
+        base = self.poisoned(dtype, (cols, rows))
+        return base, base.t()
+
 
 class MindSporeKit:
     """The same for MindSpore, through NumPy (``Tensor.from_numpy`` / ``asnumpy``)."""
@@ -106,6 +122,23 @@ class MindSporeKit:
 
     def bytes_of(self, t: Any) -> bytes:
         return t.asnumpy().reshape(-1).view(np.uint8).tobytes()
+
+    def set_byte(self, raw_u8: Any, index: int, value: int) -> None:
+        raw_u8.asnumpy()[index] = value  # asnumpy() aliases a tensor that owns its memory
+
+    def queue_copy(self, dst: Any, src: Any) -> np.ndarray:
+        """Start copying src into dst (PyNative queues it); return dst's memory as an array
+        that waits on nothing (taken before the copy is queued)."""
+        out = dst.asnumpy()
+        dst.copy_(src)
+        return out
+
+    def copy(self, dst: Any, src: Any) -> None:
+        dst.asnumpy().reshape(-1).view(np.uint8)[:] = src.asnumpy().reshape(-1).view(np.uint8)
+
+    def transposed_view(self, rows: int, cols: int, dtype: str) -> tuple[Any, Any]:
+        base = self.poisoned(dtype, (cols, rows))
+        return base, base.t()
 
 
 KITS = {"torch": TorchKit, "mindspore": MindSporeKit}
@@ -301,19 +334,14 @@ def mindspore_cases(rank: int, world: int) -> list[str]:
         h.wait()
     _expect(errors, bf.asnumpy().view(np.uint16).tolist() == bf_bytes.tolist(), "bfloat16 bits differ")
 
-    # A large native broadcast is queued: after wait() (and after synchronize()) the memory
-    # itself holds the data, read through a NumPy alias that does not wait on anything.
-    n = 4 << 20  # 16 MiB: ~0.1 s on MindSpore's CPU transport, far longer than a no-op wait
-    for how in ("wait", "synchronize"):
-        host = np.arange(n, dtype=np.int32) if rank == 0 else np.full(n, -7, np.int32)
-        tensor = ms.Tensor.from_numpy(host)
-        h = p.broadcast(tensor, 0)
-        if how == "wait":
-            h.wait()
-        else:
-            p.synchronize()
-        _expect(errors, int(host[-1]) == n - 1 and int(host[0]) == 0,
-                f"after {how}(), rank {rank} memory holds {host[0]}..{host[-1]}")
+    # On the CPU a broadcast is completed before broadcast() returns (None): the memory
+    # itself holds the data, read through a NumPy alias that waits on nothing.
+    n = 4 << 20  # 16 MiB: ~0.1 s on MindSpore's CPU transport, long enough to catch a race
+    host = np.arange(n, dtype=np.int32) if rank == 0 else np.full(n, -7, np.int32)
+    h = p.broadcast(ms.Tensor.from_numpy(host), 0)
+    _expect(errors, h is None, f"CPU broadcast returned a handle {h!r}, not None (completed)")
+    _expect(errors, int(host[-1]) == n - 1 and int(host[0]) == 0,
+            f"after broadcast() returned, rank {rank} memory holds {host[0]}..{host[-1]}")
 
     # A receiving view cannot be written on the CPU: refused on every rank, before sending.
     base = ms.Tensor(np.zeros((4, 4), np.float32))
@@ -327,4 +355,17 @@ def fail_on_odd_ranks(rank: int, world: int) -> int:
     """For the harness tests: odd ranks raise before any collective."""
     if rank % 2:
         raise RuntimeError(f"rank {rank} refuses")
+    return rank
+
+
+def fail_on_odd_ranks_after_init(rank: int, world: int) -> int:
+    """For the MindSpore launcher test: odd ranks raise, rank 0 then waits in a broadcast
+    that never completes, so the launcher must kill it."""
+    if rank % 2:
+        raise RuntimeError(f"rank {rank} refuses")
+    import mindspore as ms
+    from dcp_platform import get_platform
+
+    p = get_platform("mindspore")
+    p.broadcast(ms.Tensor(np.zeros(4, np.int32)), 1)
     return rank

@@ -63,6 +63,12 @@ _DTYPE_TO_NAME: dict[Any, str] = {dtype: name for name, dtype in _NAME_TO_DTYPE.
 
 _DEVICE_TYPES = {"CPU": "cpu", "Ascend": "npu", "GPU": "cuda"}
 
+# On the CPU, several broadcasts queued at once (different sources, before any wait) made
+# one of them fail later ("CollectiveWait N failed") on a loaded 2-core machine, and CPU
+# broadcasts do not overlap anyway (capabilities.async_overlap is False): each broadcast is
+# completed before broadcast() returns, which then returns None.
+_CPU_INLINE = True
+
 
 def _drain() -> None:
     """Wait until every operation PyNative has queued in this process has run."""
@@ -144,11 +150,13 @@ class MindSporePlatform(Platform):
         world, me = self.world_size(), self.rank()
         # Every rank sends its byte length in turn, then its payload in turn: broadcast on
         # the world group is the one collective that works on every MindSpore target.
-        lengths = [np.array([len(payload) if r == me else 0], dtype=np.int32) for r in range(world)]
-        for r, box in enumerate(lengths):
+        # One broadcast at a time, each completed before the next (see _CPU_INLINE).
+        sizes = []
+        for r in range(world):
+            box = np.array([len(payload) if r == me else 0], dtype=np.int32)
             msdist.broadcast(Tensor.from_numpy(box), r, group=self.world_group())
-        _drain()
-        sizes = [int(box[0]) for box in lengths]
+            _drain()
+            sizes.append(int(box[0]))
         words = []
         for r, size in enumerate(sizes):
             buf = np.zeros(math.ceil(size / 4), dtype=np.int32)
@@ -157,7 +165,7 @@ class MindSporePlatform(Platform):
             words.append(buf)
             if buf.size:
                 msdist.broadcast(Tensor.from_numpy(buf), r, group=self.world_group())
-        _drain()
+                _drain()
         # Objects come from the ranks of this job, as with torch.distributed.all_gather_object.
         return [pickle.loads(buf.view(np.uint8)[:size].tobytes()) for buf, size in zip(words, sizes, strict=True)]
 
@@ -253,19 +261,27 @@ class MindSporePlatform(Platform):
                     # A view: asnumpy() gave a contiguous copy; send that (same dtype and size).
                     wire = Tensor.from_numpy(data)
             msdist.broadcast(wire, src, group=name)
-            return _Handle(keep=wire)
+            return self._cpu_handle(_Handle(keep=wire))
         # Raw bytes as int32 words, padded; receivers unpack after the queue has run.
         words = np.zeros(math.ceil(nbytes / 4), dtype=np.int32)
         if me == src:
             words.view(np.uint8)[:nbytes] = tensor.asnumpy().reshape(-1).view(np.uint8)
-        msdist.broadcast(Tensor.from_numpy(words), src, group=name)
+        wire = Tensor.from_numpy(words)
+        msdist.broadcast(wire, src, group=name)
         if dst is None:
-            return _Handle(keep=words)
+            return self._cpu_handle(_Handle(keep=(words, wire)))
 
         def unpack() -> None:
             dst.reshape(-1).view(np.uint8)[:] = words.view(np.uint8)[:nbytes]
 
-        return _Handle(finish=unpack, keep=words)
+        return self._cpu_handle(_Handle(finish=unpack, keep=(words, wire)))
+
+    def _cpu_handle(self, handle: _Handle) -> _Handle | None:
+        """On the CPU, complete the broadcast before returning (see ``_CPU_INLINE``)."""
+        if not _CPU_INLINE:
+            return handle
+        handle.wait()
+        return None
 
     def fused_copy(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         if len(dsts) != len(srcs):
