@@ -289,3 +289,14 @@ def test_torch_dcp_garbage_metadata(tmp_path):
     (tmp_path / ".metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(MetadataError, match="cannot read the pickled metadata"):
         open_checkpoint(tmp_path)
+
+
+def test_header_safetensors_rejects_becomes_a_typed_error(tmp_path):
+    save_file({"a": torch.ones(3), "b": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+
+    def overlap(h):  # inside the file, so our size check passes; safetensors refuses it
+        h["b"]["data_offsets"] = [0, 8]
+    _rewrite_header(tmp_path / "model.safetensors", overlap)
+    with open_checkpoint(tmp_path) as r, pytest.raises(MetadataError, match="safetensors cannot read") as ei:
+        _read_all(r)
+    assert ei.value.path.endswith("model.safetensors")

@@ -15,6 +15,7 @@ from ._detect import detect_format
 from ._dtypes import to_safetensors, torch_dtype_name
 from ._errors import (
     MetadataError,
+    MissingFileError,
     MissingKeyError,
     TruncatedFileError,
     UnsafePickleError,
@@ -34,7 +35,11 @@ class _RawFile:
     """An open .distcp file and its size (taken once, at open)."""
 
     def __init__(self, real: str):
-        self.f = open(real, "rb")
+        try:
+            self.f = open(real, "rb")
+        except FileNotFoundError:
+            raise MissingFileError("the data file does not exist; the checkpoint is incomplete: copy "
+                                   "the missing file or re-save", path=real) from None
         self.path = real
         self.size = os.fstat(self.f.fileno()).st_size
 

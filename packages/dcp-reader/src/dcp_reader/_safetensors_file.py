@@ -130,13 +130,17 @@ class SafetensorsFile:
                                   "data files do not match: re-save it", path=self.path, key=key) from None
 
     def torch_box(self, key: str, slices: tuple[slice, ...]) -> Any:
-        if self._st is None:
-            from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-            self._st = safe_open(self.path, framework="pt")
-        sl = self._st.get_slice(key)
-        # FACTS: 0-dim needs [...] ([:] raises IndexError on a 0-dim slice)
-        return sl[slices] if slices else sl[...]
+        try:
+            if self._st is None:
+                self._st = safe_open(self.path, framework="pt")
+            sl = self._st.get_slice(key)
+            # 0-dim needs [...]: [:] raises IndexError on a 0-dim slice (FACTS.md)
+            return sl[slices] if slices else sl[...]
+        except SafetensorError as e:  # a problem our header check does not look for
+            raise MetadataError(f"safetensors cannot read key {key!r} ({e}); the file is corrupt: "
+                                "re-save it", path=self.path, key=key) from None
 
     def numpy_box(self, key: str, dtype: str, slices: tuple[slice, ...]) -> Any:
         import numpy as np
