@@ -60,6 +60,7 @@ class WatchingPlatform(Platform):
         self.waits_returned = 0
         self.staging: set[int] = set()
         self.on_event: Any = None  # callable(kind) run at each issue and each wait entry
+        self.fail_at: int | None = None  # raise instead of issuing this rank's n-th broadcast
 
     def staging_bytes(self, wire: Any) -> int:
         return wire.numel() if id(wire) in self.staging else 0
@@ -100,6 +101,8 @@ class WatchingPlatform(Platform):
     def broadcast(self, tensor: Any, src: int, group: Any = None) -> Any:
         if self.on_event is not None:
             self.on_event("issue")
+        if self.fail_at is not None and len(self.groups_used) + 1 == self.fail_at:
+            raise RuntimeError(f"injected failure at broadcast {self.fail_at}")
         self.groups_used.append(group)
         handle = self.inner.broadcast(tensor, src, group)
         if self.complete_at_issue and handle is not None:
@@ -404,6 +407,19 @@ def _groups(platform: Platform, rank: int) -> dict[str, Any]:
     except KeyError:
         pass
     out["manager_failure"] = {"errors": [], "created": watched.new_groups, "destroyed": watched.destroyed}
+
+    # A backend error in the middle of broadcast_items: the groups it built are destroyed.
+    # Every rank fails at its own 3rd broadcast, which both members of its group reach.
+    watched = WatchingPlatform(platform)
+    watched.fail_at = 3
+    pairs = [Spec(0, (0, 3), (10,), torch.float32), Spec(1, (1, 2), (10,), torch.float32)] * 4
+    try:
+        _run(watched, rank, pairs, batch_bytes=0)
+        failed = ""
+    except RuntimeError as exc:
+        failed = str(exc)
+    out["run_failure"] = {"errors": [], "failed": failed, "created": watched.new_groups,
+                          "destroyed": watched.destroyed}
     return out
 
 

@@ -1,7 +1,7 @@
 """broadcast_items on 4 real gloo ranks: threshold edges, every dtype (bf16, float8...),
 interleaved groups and sources, non-contiguous views, the in-flight cap, receivers left
-untouched until their wait, prepare(), supplied/built/reused groups and the world-group
-fallback. All scenarios run in one launch (see broadcast_rank_cases.main_cases); each test
+untouched until their wait, prepare(), supplied/built/reused groups (destroyed on failure
+too) and the world-group fallback. All scenarios run in one launch (see broadcast_rank_cases.main_cases); each test
 asserts on one scenario's per-rank results. Receivers are poisoned before every scenario.
 """
 
@@ -113,6 +113,12 @@ def test_broadcast_group_manager_reused_and_closed(results):
         assert m["destroyed_inside"] == 0 and m["destroyed"] == len(m["needed_both"])
         failed = r["manager_failure"]
         assert failed["created"] == [(0, 3), (1, 2)] and failed["destroyed"] == 2
+
+
+def test_broadcast_destroys_built_groups_when_a_broadcast_fails(results):
+    for r in (res["groups"]["run_failure"] for res in results):
+        assert "injected failure at broadcast 3" in r["failed"]
+        assert r["created"] == [(0, 3), (1, 2)] and r["destroyed"] == 2
 
 
 def test_broadcast_world_group_fallback(results):

@@ -91,10 +91,9 @@ class _Runner:
             return items[index].tensor, None
         t0 = time.perf_counter()
         staging = platform.empty((transfer.nbytes,), self.uint8)
-        if member:
-            self.items_batched += len(transfer.indices)
-        if not member:
+        if not member:  # world-group fallback: receive the batch into staging and drop it
             return staging, None
+        self.items_batched += len(transfer.indices)
         assert transfer.offsets is not None
         tensors = [items[i].tensor for i in transfer.indices]
         views = [
