@@ -11,6 +11,7 @@ compared byte for byte with the global tensor the checkpoint was written from.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import traceback
@@ -53,6 +54,14 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def preload_dtensor() -> None:
+    """Fork ranks with DTensor's lazy import of torch._dynamo done (~10 s per rank here,
+    where no bytecode caches are kept); see dcp_load.demo._preload_dtensor."""
+    from dcp_load.demo import _preload_dtensor
+
+    _preload_dtensor()
 
 
 # -- checkpoint builders (run in the test process) --------------------------------------------
@@ -163,6 +172,24 @@ def run_case(results: dict[str, Any], case: str, fn: Callable[[list[str]], Any])
         errors.append(traceback.format_exc())
         out = None
     results[case] = {"errors": errors, "out": out}
+
+
+class FailingReader:
+    """A CheckpointReader whose first read of more than one element fails (the 1-element
+    validation probes pass), as a disk error after validation would."""
+
+    def __init__(self, inner: Any, fail: bool):
+        self.inner, self.fail, self.reads = inner, fail, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def read(self, name: str, chunk: Any, offsets: Any, sizes: Any, **kw: Any) -> Any:
+        if self.fail and math.prod(sizes) > 1:
+            self.reads += 1
+            if self.reads == 1:
+                raise OSError(f"injected read failure on {name!r}")
+        return self.inner.read(name, chunk, offsets, sizes, **kw)
 
 
 def report(r: Any) -> dict[str, Any]:
@@ -342,6 +369,37 @@ def mesh4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
         return report(r)
 
     run_case(results, "strict_false", missing_key_partial)
+
+    # a failure on one rank only: every rank raises, naming that rank
+    def one_rank_bad(errors: list[str]) -> Any:
+        state = _mesh_state(mesh, [R, S(1)])
+        if rank == 2:
+            state["only.on.rank2"] = torch.zeros(3)
+        try:
+            dcp_load.load(state, checkpoint_id=ckpts["hf"])
+        except dcp_load.LoadError as exc:
+            return {"message": str(exc), "failures": sorted(exc.failures)}
+        errors.append("no LoadError")
+        return None
+
+    run_case(results, "one_rank_bad", one_rank_bad)
+
+    # a read that fails mid-run, after validation, on rank 1: no hang, every rank raises
+    def midrun_failure(errors: list[str]) -> Any:
+        from dcp_reader import open_checkpoint
+
+        threads = threading.active_count()
+        with open_checkpoint(ckpts["hf"]) as inner:
+            reader = FailingReader(inner, fail=rank == 1)
+            try:
+                dcp_load.load(_mesh_state(mesh, [R, R]), storage_reader=reader)
+            except dcp_load.LoadError as exc:
+                return {"message": str(exc), "failures": sorted(exc.failures), "phase": exc.phase,
+                        "threads_leaked": threading.active_count() - threads}
+        errors.append("no LoadError")
+        return None
+
+    run_case(results, "midrun_failure", midrun_failure)
 
     # torch.distributed.checkpoint wrote it (default writer, HF writer): same as dcp.load
     def torch_compat(errors: list[str], kind: str) -> Any:

@@ -63,6 +63,7 @@ def build_checkpoints(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     ckpts = build_checkpoints(tmp_path_factory.mktemp("mesh4"))
+    cases.preload_dtensor()
     return run_ranks(cases.mesh4_cases, WORLD, ckpts, timeout=400, pg_timeout=120)
 
 
@@ -165,3 +166,17 @@ def test_torch_dcp_checkpoints_match_torch_load(results, kind):
     outs = _case(results, f"torch_dcp_{kind}")
     for layout in ("RS1", "S1S0"):
         assert {o[layout]["format"] for o in outs} == {"torch-dcp" if kind == "default" else "torch-dcp-hf"}
+
+
+def test_failure_on_one_rank_raises_everywhere(results):
+    outs = _case(results, "one_rank_bad")
+    assert all(o["failures"] == [2] for o in outs)
+    assert "only.on.rank2" in outs[0]["message"]
+
+
+def test_read_failure_mid_run_raises_everywhere_without_hanging(results):
+    outs = _case(results, "midrun_failure")
+    for o in outs:
+        assert o["phase"] == "execute" and o["failures"] == [1], o
+        assert "injected read failure" in o["message"]
+        assert o["threads_leaked"] == 0

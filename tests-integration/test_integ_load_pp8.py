@@ -22,6 +22,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     cases.write_hf(ckpts["hf"], names)
     cases.write_native(ckpts["tp4"], names, lambda n: (1, 4)[: len(cases.SPECS[n][0])] if len(cases.SPECS[n][0]) == 2
                        else (4,)[: len(cases.SPECS[n][0])])
+    cases.preload_dtensor()
     return run_ranks(cases.pp8_cases, 8, ckpts, timeout=300, pg_timeout=120)
 
 
