@@ -5,7 +5,8 @@
 communication on the CPU, calls the job's function and writes ``result-RANK.pkl`` (written
 to a temporary name, then renamed, so the parent never reads half a file). The cluster
 variables (``MS_ROLE``, ``MS_SCHED_HOST``, ``MS_SCHED_PORT``, ``MS_WORKER_NUM``,
-``MS_NODE_ID``) come from the parent.
+``MS_NODE_ID``) come from the parent. A worker that succeeded waits for the parent's
+``release`` file before exiting (see ``_wait_for_release``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import pickle
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -50,6 +52,18 @@ def _write_result(job_dir: str, rank: int, ok: bool, payload: Any) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _wait_for_release(job_dir: str) -> None:
+    """Stay alive until the parent has every rank's result (or kills us).
+
+    A MindSpore CPU broadcast can still be completing on its source after the receivers
+    have their data; a receiver that exits then makes the source's broadcast fail
+    ("CollectiveWait N failed"). So no worker exits before every worker has reported.
+    """
+    release = os.path.join(job_dir, "release")
+    while not os.path.exists(release):
+        time.sleep(0.05)
+
+
 def _worker(job_dir: str, rank: int) -> int:
     try:
         with open(os.path.join(job_dir, "job.pkl"), "rb") as f:
@@ -66,6 +80,7 @@ def _worker(job_dir: str, rank: int) -> int:
         _write_result(job_dir, rank, False, traceback.format_exc())
         return 1
     _write_result(job_dir, rank, True, out)
+    _wait_for_release(job_dir)
     return 0
 
 

@@ -266,6 +266,8 @@ def run_mindspore_workers(fn: Callable[..., Any], world_size: int, *args: Any,
                                                       f"{sched.returncode}:\n{_log_tail(sched_log)}"))
                     break
                 time.sleep(0.2)
+            # Workers that succeeded wait for this before exiting (see _mindspore_child).
+            open(os.path.join(job_dir, "release"), "w").close()
             if len(outcome) == world_size and all(ok for ok, _ in outcome.values()):
                 end = min(deadline, time.monotonic() + _MS_EXIT_GRACE_S)
                 for proc, _ in [*workers, (sched, sched_log)]:
