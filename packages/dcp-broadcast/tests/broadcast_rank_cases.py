@@ -235,10 +235,8 @@ def _run(platform: Platform, rank: int, specs: Sequence[Spec], **kwargs: Any) ->
     return {"stats": dataclasses.asdict(stats), "errors": case.problems()}
 
 
-# int16 is left out: gloo rejects it ("Invalid scalar type") while dcp-platform 0.1.0 lists
-# it among gloo's native dtypes, so a lone int16 broadcast fails in the platform (reported).
 ALL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
-              torch.float8_e5m2, torch.int64, torch.int32, torch.int8, torch.uint8,
+              torch.float8_e5m2, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
               torch.bool, torch.complex64)
 GROUPS = ((0, 1, 2, 3), (0, 3), (1, 2), (0, 1), (2, 3), (1, 2, 3), (0, 2))
 
