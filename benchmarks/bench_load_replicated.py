@@ -1,0 +1,208 @@
+"""Scenarios 1 and 4: replicated loads of a >= 1 GiB HF checkpoint on real gloo ranks.
+
+Layouts DP4, DP2xTP2 and DP4xTP2. For each: (a) warm page cache, one copy of the files
+shared by every rank (one host); (b) simulated multi-node cold storage: ranks are grouped
+into nodes of ``ranks_per_node`` (TP inside a node, DP across nodes, as on real clusters),
+each node reads its own byte-identical copy of the files, and the page cache is dropped
+right before the load. Methods: dcp (read once, broadcast), dcp-reread (every rank reads
+what it needs: broadcast_replicated_tensors=False) and torch.distributed.checkpoint.load
+with its HuggingFaceStorageReader. Every rank also samples its resident memory (scenario 4).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from _bench_common import (
+    GiB,
+    ModelSpec,
+    Run,
+    copy_checkpoint,
+    measure_disk_bandwidth,
+    rank_load,
+    warm_files,
+    write_hf_checkpoint,
+    write_warmup_checkpoint,
+)
+from _bench_stats import fmt_bytes, median, summarise, table
+
+LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1)}
+LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8"}
+METHODS = ("dcp", "dcp-reread", "torch")
+METHOD_NAMES = {"dcp": "dcp (read once + broadcast)", "dcp-reread": "dcp (every rank reads)",
+                "torch": "torch DCP (HF reader)"}
+
+
+def model_spec(quick: bool) -> ModelSpec:
+    # 10 layers of hidden 2048: 1.08 GiB of bf16; --quick: ~34 MiB.
+    if quick:
+        return ModelSpec(layers=2, hidden=512, kv_dim=128, intermediate=1408, vocab=8000,
+                         file_bytes=12 * 1024 * 1024)
+    return ModelSpec()
+
+
+def run(args: Any, log: Any) -> dict[str, Any]:
+    spec = model_spec(args.quick)
+    work = Path(args.workdir)
+    base = work / "hf-model"
+    t = time.perf_counter()
+    nbytes = write_hf_checkpoint(base, spec)
+    log(f"replicated: checkpoint {base} {fmt_bytes(nbytes)} ready in {time.perf_counter() - t:.1f} s")
+    if not args.quick and nbytes < GiB:
+        raise RuntimeError(f"the replicated checkpoint must be >= 1 GiB, got {nbytes}")
+    layouts = args.layouts
+    modes = args.modes
+    max_nodes = max(LAYOUTS[lay][0] * LAYOUTS[lay][1] // _rpn(args, lay) for lay in layouts)
+    warm_dir = write_warmup_checkpoint(work, spec)
+    copies = [base] + [work / f"hf-model-node{k}" for k in range(1, max_nodes)]
+    if "cold" in modes:
+        for c in copies[1:]:
+            copy_checkpoint(base, c)
+    runs: list[dict[str, Any]] = []
+    disk: list[dict[str, float]] = []
+    for rep in range(args.repeats):
+        if "cold" in modes:
+            d = measure_disk_bandwidth(base)
+            d["repeat"] = rep
+            disk.append(d)
+            log(f"  disk: cold sequential read {fmt_bytes(d['bytes'])} in {d['seconds']:.3f} s "
+                f"= {d['bytes_per_s'] / 1e9:.2f} GB/s")
+        for lay in layouts:
+            dp, tp = LAYOUTS[lay]
+            world = dp * tp
+            for mode in modes:
+                # Rotate the method order every repeat so drift does not favour one method.
+                order = list(args.methods)
+                k = rep % len(order)
+                order = order[k:] + order[:k]
+                for method in order:
+                    if mode == "warm":
+                        rpn, dirs = world, (str(base),)
+                        warm_files(base)
+                    else:
+                        rpn = _rpn(args, lay)
+                        dirs = tuple(str(c) for c in copies[: world // rpn])
+                    r = Run(method=method, spec=spec, dp=dp, tp=tp, ckpt_dirs=dirs,
+                            ranks_per_node=rpn, cold=mode == "cold",
+                            batch_bytes=args.batch_bytes, verify=rep == 0 or args.verify_all,
+                            warmup_dir=warm_dir)
+                    per_rank = args.launcher.run(rank_load, world, r, timeout=args.rank_timeout)
+                    s = summarise(per_rank)
+                    runs.append({"layout": lay, "world": world, "dp": dp, "tp": tp, "mode": mode,
+                                 "method": method, "repeat": rep, "nodes": len(dirs),
+                                 "ranks_per_node": rpn, "summary": s, "per_rank": per_rank})
+                    log(f"  rep {rep} {lay:7s} {mode:4s} {method:10s} {s['wall_s']:7.3f} s  "
+                        f"read {fmt_bytes(s['read_bytes_total'])}  "
+                        f"collectives {s['data_collectives_max']}  "
+                        f"extra anon {fmt_bytes(s.get('extra_anon_max', float('nan')))}  "
+                        f"[{_phases(per_rank)}]")
+    return {"spec": spec.__dict__, "unique_bytes": nbytes, "runs": runs, "disk": disk,
+            "copies": [str(c) for c in copies]}
+
+
+def _phases(per_rank: list[dict[str, Any]]) -> str:
+    """Rank 0's set-up phases (s), to see where a run's time goes."""
+    st = per_rank[0]["stamps"]
+    keys = list(st)
+    return " ".join(f"{k} {st[k] - st[p]:.1f}" for p, k in zip(keys, keys[1:], strict=False))
+
+
+def _rpn(args: Any, lay: str) -> int:
+    dp, tp = LAYOUTS[lay]
+    return args.ranks_per_node or tp
+
+
+def _runs(res: dict[str, Any], lay: str, mode: str, method: str) -> list[dict[str, Any]]:
+    return [r for r in res["runs"] if r["layout"] == lay and r["mode"] == mode and r["method"] == method]
+
+
+def ratio_in_run(res: dict[str, Any], lay: str, mode: str, a: str, b: str, key: str = "wall_s") -> float:
+    """Median over repeats of a/b, each ratio taken within one repeat (side by side)."""
+    ra = {r["repeat"]: r["summary"][key] for r in _runs(res, lay, mode, a)}
+    rb = {r["repeat"]: r["summary"][key] for r in _runs(res, lay, mode, b)}
+    return median([ra[k] / rb[k] for k in ra if k in rb and rb[k]])
+
+
+def med(res: dict[str, Any], lay: str, mode: str, method: str, key: str) -> float:
+    return median([r["summary"][key] for r in _runs(res, lay, mode, method) if key in r["summary"]])
+
+
+def disk_bw(res: dict[str, Any]) -> float:
+    return median([d["bytes_per_s"] for d in res["disk"]])
+
+
+def tables(res: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    unique = res["unique_bytes"]
+    layouts = list(dict.fromkeys(r["layout"] for r in res["runs"]))
+    methods = list(dict.fromkeys(r["method"] for r in res["runs"]))
+    modes = list(dict.fromkeys(r["mode"] for r in res["runs"]))
+    reps = len({r["repeat"] for r in res["runs"]})
+    for mode in modes:
+        rows = []
+        for lay in layouts:
+            for m in methods:
+                rs = _runs(res, lay, mode, m)
+                if not rs:
+                    continue
+                walls = [r["summary"]["wall_s"] for r in rs]
+                row = [LAYOUT_NAMES[lay], rs[0]["world"], METHOD_NAMES[m],
+                       f"{median(walls):.3f}", f"{min(walls):.3f}-{max(walls):.3f}"]
+                row.append(f"{ratio_in_run(res, lay, mode, m, 'torch'):.2f}" if "torch" in methods else "-")
+                total = med(res, lay, mode, m, "read_bytes_total")
+                row += [fmt_bytes(total), f"{total / unique:.2f}",
+                        fmt_bytes(med(res, lay, mode, m, "read_bytes_max")),
+                        f"{med(res, lay, mode, m, 'data_collectives_max'):.0f}"]
+                rows.append(row)
+        title = {"warm": "1a. Warm page cache, one host (every rank reads one copy of the files)",
+                 "cold": "1b. Simulated multi-node cold storage (a copy of the files per node, "
+                         "page cache dropped before each load)"}[mode]
+        out.append(f"### {title}\n\nCheckpoint {fmt_bytes(unique)} (unique bytes); "
+                   f"median of {reps} runs; ratio = time / torch DCP's time in the same repeat "
+                   "(median of the per-repeat ratios); storage reads from /proc/self/io read_bytes "
+                   "summed over ranks; amplification = storage reads / unique bytes.\n\n" + table(
+            ["layout", "ranks", "method", "load s (median)", "range", "x torch",
+             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"], rows))
+    if "cold" in modes and res["disk"]:
+        bw = disk_bw(res)
+        bound = unique / bw
+        rows = []
+        for lay in layouts:
+            for m in methods:
+                rs = _runs(res, lay, "cold", m)
+                if not rs:
+                    continue
+                per_rank = [median([r["summary"]["read_bytes_per_rank"][k] for r in rs])
+                            for k in range(rs[0]["world"])]
+                rows.append([LAYOUT_NAMES[lay], f"{rs[0]['nodes']} x {rs[0]['ranks_per_node']}",
+                             METHOD_NAMES[m], " / ".join(f"{b / 2**20:.0f}" for b in per_rank),
+                             f"{med(res, lay, 'cold', m, 'wall_s') / bound:.2f}"])
+        out.append("### 1b. Per-rank bytes fetched from storage (MiB, median over repeats), cold\n\n"
+                   f"Raw disk bandwidth, cold sequential 16 MiB reads of the files, median: "
+                   f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.\n\n" + table(
+            ["layout", "nodes x ranks", "method", "MiB read per rank (rank 0..N-1)",
+             "time / (unique / bandwidth)"], rows))
+    rows = []
+    for lay in layouts:
+        for mode in modes:
+            for m in methods:
+                rs = _runs(res, lay, mode, m)
+                if not rs or "extra_anon_max" not in rs[0]["summary"]:
+                    continue
+                dest = rs[0]["summary"]["dest_bytes_total"] / rs[0]["world"]
+                rows.append([LAYOUT_NAMES[lay], mode, METHOD_NAMES[m], fmt_bytes(dest),
+                             fmt_bytes(med(res, lay, mode, m, "extra_anon_max")),
+                             fmt_bytes(med(res, lay, mode, m, "extra_rss_max")),
+                             fmt_bytes(med(res, lay, mode, m, "peak_rss_max"))])
+    if rows:
+        out.append("### 4. Peak resident memory per rank during the load (worst rank, median over "
+                   "repeats)\n\nDestination tensors are allocated and poisoned before the load, so "
+                   "they are in the baseline. extra private = peak RssAnon (sampled every 2 ms) "
+                   "minus RssAnon before the load; extra RSS = VmHWM (reset through "
+                   "/proc/self/clear_refs) minus VmRSS before the load, which also counts pages of "
+                   "memory-mapped checkpoint files (page cache the kernel can reclaim).\n\n" + table(
+                       ["layout", "cache", "method", "destination per rank", "extra private (anon)",
+                        "extra RSS (anon + mapped file)", "peak RSS"], rows))
+    return out

@@ -1,0 +1,183 @@
+"""Run the dcp load benchmarks side by side with torch.distributed.checkpoint.
+
+    python benchmarks/run_all.py                  # every scenario, 3 repeats (~15-20 min here)
+    python benchmarks/run_all.py --quick          # small sizes, 1 repeat: a smoke run
+    python benchmarks/run_all.py --scenarios replicated --layouts dp4 --modes warm
+
+Scenarios: replicated (1a warm, 1b simulated multi-node cold, and 4 peak memory, sampled in
+the same runs), small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
+plan (5: the global plan for 1024 and 4096 simulated ranks, no processes).
+
+Results go to bench-results/<UTC time>.json (and bench-results/latest.json), tables are
+printed and written to bench-results/<UTC time>.md, plots to benchmarks/plots/*.png.
+Checkpoints are written under --workdir and deleted at the end unless --keep is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_load_plan  # noqa: E402
+import bench_load_replicated  # noqa: E402
+import bench_load_single  # noqa: E402
+import bench_load_small  # noqa: E402
+from _bench_common import MiB, can_drop_caches  # noqa: E402
+from _bench_launch import Launcher  # noqa: E402
+
+SCENARIOS = {
+    "replicated": bench_load_replicated,
+    "small": bench_load_small,
+    "single": bench_load_single,
+    "plan": bench_load_plan,
+}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (smoke run)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
+    ap.add_argument("--scenarios", default="replicated,small,single,plan",
+                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2",
+                    help=f"replicated layouts: {','.join(bench_load_replicated.LAYOUTS)}")
+    ap.add_argument("--modes", default="warm,cold", help="replicated page-cache modes: warm,cold")
+    ap.add_argument("--methods", default="dcp,dcp-reread,torch",
+                    help="replicated methods: dcp,dcp-reread,torch")
+    ap.add_argument("--ranks-per-node", type=int, default=0,
+                    help="ranks per simulated node in cold runs (default: the TP size)")
+    ap.add_argument("--batch-bytes", type=int, default=6 * MiB, help="dcp broadcast_batch_bytes")
+    ap.add_argument("--plan-ranks", default="1024,4096", help="world sizes for the plan scenario")
+    ap.add_argument("--workdir", default="/tmp/dcp-bench", help="where checkpoints are written")
+    ap.add_argument("--out", default=None, help="results folder (default <repo>/bench-results)")
+    ap.add_argument("--plots", default=str(HERE / "plots"), help="folder for the PNG plots ('' = none)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
+    ap.add_argument("--verify-all", action="store_true",
+                    help="check loaded values after every run (default: the first repeat only)")
+    ap.add_argument("--rank-timeout", type=float, default=900.0, help="seconds per multi-rank run")
+    a = ap.parse_args(argv)
+    a.scenarios = [s for s in a.scenarios.split(",") if s]
+    a.layouts = [s for s in a.layouts.split(",") if s]
+    a.modes = [s for s in a.modes.split(",") if s]
+    a.methods = [s for s in a.methods.split(",") if s]
+    a.plan_ranks = [int(s) for s in a.plan_ranks.split(",") if s]
+    for s in a.scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"--scenarios: unknown {s!r}; choose from {','.join(SCENARIOS)}")
+    for s in a.layouts:
+        if s not in bench_load_replicated.LAYOUTS:
+            ap.error(f"--layouts: unknown {s!r}; choose from {','.join(bench_load_replicated.LAYOUTS)}")
+    for s in a.modes:
+        if s not in ("warm", "cold"):
+            ap.error(f"--modes: unknown {s!r}; choose from warm,cold")
+    for s in a.methods:
+        if s not in bench_load_replicated.METHODS:
+            ap.error(f"--methods: unknown {s!r}; choose from {','.join(bench_load_replicated.METHODS)}")
+    if a.repeats is None:
+        a.repeats = 1 if a.quick else 3
+    if a.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {a.repeats}")
+    return a
+
+
+def machine() -> dict[str, Any]:
+    import safetensors
+    import torch
+
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    mem = sh("awk '/MemTotal/ {print $2}' /proc/meminfo")
+    try:
+        import dcp_load
+        dcp_version = getattr(dcp_load, "__version__", "?")
+    except ImportError:
+        dcp_version = None
+    return {
+        "cpus": os.cpu_count(), "cpu_model": sh("awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo"),
+        "mem_gib": round(int(mem) / 2**20, 1) if mem else None, "kernel": platform.release(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "safetensors": safetensors.__version__, "dcp_load": dcp_version,
+        "disk": sh("df -h --output=source,size,fstype / | tail -1"),
+        "git": sh(f"git -C {HERE.parent} rev-parse --short HEAD"),
+        "loadavg_start": sh("cat /proc/loadavg"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    out_dir = Path(args.out) if args.out else HERE.parent / "bench-results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+
+    if any(s in args.scenarios for s in ("replicated", "single")) and not can_drop_caches():
+        log("cannot write /proc/sys/vm/drop_caches (not root?): cold runs are not possible here")
+        return 2
+    results: dict[str, Any] = {"machine": machine(), "argv": sys.argv[1:], "stamp": stamp,
+                               "args": dict(vars(args))}
+    log(f"machine: {results['machine']}")
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    args.launcher = Launcher()
+    try:
+        for name in args.scenarios:
+            t = time.perf_counter()
+            log(f"scenario {name}")
+            results[name] = SCENARIOS[name].run(args, log)
+            results[name]["elapsed_s"] = time.perf_counter() - t
+            _write(out_dir, stamp, results)
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    results["elapsed_s"] = time.perf_counter() - start
+    results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
+    text = [f"# dcp load benchmarks {stamp}\n\n`python benchmarks/run_all.py {' '.join(sys.argv[1:])}`"
+            f" (total {results['elapsed_s']:.0f} s)"]
+    for name in args.scenarios:
+        text += SCENARIOS[name].tables(results[name])
+    import _bench_goals
+
+    text += _bench_goals.goals(results)
+    md = "\n\n".join(text) + "\n"
+    print("\n" + md)
+    (out_dir / f"{stamp}.md").write_text(md)
+    _write(out_dir, stamp, results)
+    if args.plots:
+        try:
+            import _bench_plot
+        except ImportError as e:  # matplotlib missing: say so, the numbers are still written
+            log(f"no plots: {e}")
+        else:
+            for p in _bench_plot.plot(results, Path(args.plots)):
+                log(f"plot {p}")
+    log(f"results: {out_dir / (stamp + '.json')}")
+    return 0
+
+
+def _write(out_dir: Path, stamp: str, results: dict[str, Any]) -> None:
+    data = json.dumps(results, indent=1, default=str)
+    (out_dir / f"{stamp}.json").write_text(data)
+    (out_dir / "latest.json").write_text(data)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
