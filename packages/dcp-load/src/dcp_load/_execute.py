@@ -63,7 +63,7 @@ class _ReadAhead(threading.Thread):
                 chunk = tensors[item.name].chunks[item.chunk]
                 try:
                     data = self.reader.read(item.name, chunk, item.offsets, item.sizes,
-                                            framework=target.adapter.name)
+                                            framework=target.adapter.read_framework)
                     target.adapter.copy(target.view(item.offsets, item.sizes), data)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
                     self.errors.append(f"reading {item.name!r} box offsets={item.offsets} "

@@ -29,6 +29,7 @@ class FrameworkAdapter(Protocol):
 
     name: str
     views: bool
+    read_framework: str  # what CheckpointReader.read returns for copy(): "torch" or "numpy"
 
     def dtype_name(self, tensor: Any) -> str: ...
     def device_type(self, tensor: Any) -> str: ...
@@ -39,6 +40,7 @@ class FrameworkAdapter(Protocol):
 class _TorchAdapter:
     name = "torch"
     views = True
+    read_framework = "torch"
 
     def __init__(self) -> None:
         import torch
@@ -64,10 +66,17 @@ class _TorchAdapter:
 
 
 class _MindSporeAdapter:
-    """MindSpore tensors: slices are copies, so a sub-box is written by slice assignment."""
+    """MindSpore tensors on the CPU: written through a NumPy array aliasing their memory.
+
+    MindSpore does not write through views there (``copy_`` into a slice leaves the base
+    unchanged), so a sub-box is a (tensor, index) pair and data goes in through
+    ``asnumpy()``, which aliases a tensor that owns its memory. Sub-boxes cannot take a
+    broadcast (``views`` is False); the planner reads them locally instead.
+    """
 
     name = "mindspore"
     views = False
+    read_framework = "numpy"
 
     def dtype_name(self, tensor: Any) -> str:
         # MindSpore spells dtypes "Float32", "BFloat16", "Bool": the neutral name is lowercase.
@@ -77,21 +86,22 @@ class _MindSporeAdapter:
         return "cpu"
 
     def view(self, local: Any, rel_offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
-        if rel_offsets == (0,) * len(rel_offsets) and sizes == tuple(local.shape):
+        if all(o == 0 for o in rel_offsets) and sizes == tuple(local.shape):
             return local
         return _SubBox(local, tuple(slice(o, o + n) for o, n in zip(rel_offsets, sizes, strict=True)), sizes)
 
     def copy(self, dest: Any, src: Any) -> None:
-        import mindspore as ms
+        import numpy as np
 
-        if not isinstance(src, ms.Tensor):
-            src = ms.Tensor(src)
-        if isinstance(dest, _SubBox):
-            dest.tensor[dest.index] = src.reshape(dest.shape) if dest.shape else src
-        elif dest.shape:
-            dest[...] = src.reshape(dest.shape)
-        else:
-            dest.assign_value(src.reshape(()))
+        base, index = (dest.tensor, dest.index) if isinstance(dest, _SubBox) else (dest, ...)
+        arr = base.asnumpy()
+        if arr.size and arr.ctypes.data != base.data_ptr():
+            raise ValueError(
+                f"a MindSpore destination of shape {tuple(base.shape)} is a view of another tensor; "
+                "MindSpore on the CPU does not write through views: pass tensors that own their memory"
+            )
+        src = src.asnumpy() if hasattr(src, "asnumpy") else np.asarray(src)
+        arr[index] = src.reshape(arr[index].shape)
 
 
 @dataclass(frozen=True)
