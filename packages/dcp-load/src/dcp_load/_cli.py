@@ -1,0 +1,69 @@
+"""The ``dcp`` command: ``dcp inspect PATH`` and ``dcp demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None) -> int:
+    """Print a checkpoint's format, tensors (shape, dtype, chunks, bytes) and values."""
+    from dcp_reader import CheckpointError, open_checkpoint
+
+    out = out or sys.stdout
+    try:
+        reader = open_checkpoint(path, allow_pickle=allow_pickle)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"dcp inspect: {exc}", file=sys.stderr)
+        return 2
+    with reader:
+        meta = reader.metadata
+        total = sum(t.nbytes for t in meta.tensors.values())
+        files = {c.file for t in meta.tensors.values() for c in t.chunks}
+        print(f"{reader.path}: format {meta.format}, {len(meta.tensors)} tensors, {len(meta.values)} values, "
+              f"{_human(total)} in {len(files)} data file(s)", file=out)
+        width = max([4, *(len(n) for n in meta.tensors), *(len(n) for n in meta.values)])
+        print(f"{'name':<{width}}  {'shape':<18} {'dtype':<14} {'chunks':>6} {'bytes':>10}", file=out)
+        for name in sorted(meta.tensors):
+            t = meta.tensors[name]
+            shape = "(" + ", ".join(map(str, t.shape)) + ("," if len(t.shape) == 1 else "") + ")"
+            print(f"{name:<{width}}  {shape:<18} {t.dtype:<14} {len(t.chunks):>6} {_human(t.nbytes):>10}", file=out)
+            if chunks:
+                for c in t.chunks:
+                    print(f"{'':<{width}}    offsets={c.offsets} sizes={c.sizes} {c.file}:{c.key}", file=out)
+        for name in sorted(meta.values):
+            v = meta.values[name]
+            shown = repr(v.value) if v.file is None else f"(pickled in {v.file})"
+            print(f"{name:<{width}}  value {shown[:60]}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp", description="Inspect distributed checkpoints; run the demo.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
+    p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors or torch DCP)")
+    p.add_argument("--chunks", action="store_true", help="also list every saved chunk")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="allow reading pickled metadata (only for checkpoints you trust)")
+    d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
+    d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
+    args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle)
+    from .demo import main as demo_main
+
+    return demo_main(["--keep", args.keep] if args.keep else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""load and save in one process: argument errors, formats (native, HF), values and
+optimizer state, strict/partial loads, validation before any write, Chunk targets,
+dtypes, the report, and the ``dcp inspect`` command."""
+
+from __future__ import annotations
+
+import os
+
+import dcp_load
+import pytest
+import torch
+from dcp_load import Chunk, LoadError
+from dcp_load._cli import main as cli
+from safetensors.torch import save_file
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g).bfloat16(),
+                  "f8": torch.randn(3, 2, generator=g).to(torch.float8_e4m3fn), "n": torch.tensor(7)},
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(6, 4, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "params": [0], "name": "all"}]},
+        "epoch": 2,
+    }
+
+
+def _poisoned() -> dict:
+    s = _state()
+    for t in (s["model"]["w"], s["model"]["b"], s["optim"]["state"][0]["exp_avg"], s["optim"]["state"][0]["step"]):
+        t.fill_(float("nan"))
+    s["model"]["f8"].view(torch.uint8).fill_(0x7F)
+    s["model"]["n"].fill_(-123)
+    s["optim"]["param_groups"][0].update(lr=None, params=None, name=None)
+    s["epoch"] = None
+    return s
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _assert_same(a[k], b[k])
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("native"))
+    report = dcp_load.save(_state(), checkpoint_id=path)
+    assert report.chunks_written == 6 and report.bytes_written == report.job_bytes
+    return path
+
+
+def test_round_trip_native(native):
+    state = _poisoned()
+    report = dcp_load.load(state, checkpoint_id=native)
+    _assert_same(state, _state())
+    assert report.format == "native" and report.world_size == 1
+    assert report.bytes_read == report.bytes_needed == report.job_unique_bytes
+    assert report.read_amplification == 1.0 and report.values == 4 and report.tensors == 6
+    assert report.broadcasts == 0 and report.bytes_received == 0
+    assert set(report.seconds) == {"prepare", "plan", "validate", "execute", "finish", "total"}
+
+
+def test_hf_and_chunk_targets(tmp_path):
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6)
+    save_file({"w": full, "v": full[0].clone()}, str(tmp_path / "model.safetensors"))
+    piece = Chunk(torch.full((3, 4), float("nan")), (8, 6), (2, 1))
+    v = torch.full((6,), float("nan"))
+    report = dcp_load.load({"w": piece, "v": v}, checkpoint_id=tmp_path)
+    assert torch.equal(piece.tensor, full[2:5, 1:5]) and torch.equal(v, full[0])
+    assert report.format == "hf" and report.bytes_read == (12 + 6) * 4
+
+
+def test_parameters_requiring_grad_load_in_place(native):
+    w = torch.nn.Parameter(torch.full((6, 4), float("nan")))
+    dcp_load.load({"model": {"w": w}}, checkpoint_id=native, strict=False)
+    assert torch.equal(w.detach(), _state()["model"]["w"]) and w.requires_grad
+
+
+def test_partial_load_with_strict_false(native):
+    state = {"model": {"w": torch.full((6, 4), float("nan")), "extra": torch.zeros(2)}, "gone": 1}
+    report = dcp_load.load(state, checkpoint_id=native, strict=False)
+    assert report.missing == ("model.extra", "gone")
+    assert torch.equal(state["model"]["w"], _state()["model"]["w"]) and state["gone"] == 1
+
+
+def test_every_problem_is_reported_before_any_write(native):
+    state = _poisoned()
+    state["model"]["w"] = torch.full((4, 6), float("nan"))  # shape
+    state["model"]["b"] = torch.full((4,), float("nan"))  # dtype float32 vs bfloat16
+    state["nope"] = torch.zeros(1)  # missing
+    state["epoch"] = torch.zeros(1)  # a tensor where the checkpoint holds a value
+    before = {k: v.clone() for k, v in state["optim"]["state"][0].items()}
+    with pytest.raises(LoadError) as info:
+        dcp_load.load(state, checkpoint_id=native)
+    msg = str(info.value)
+    for part in ("shape mismatch", "'model.w'", "(4, 6)", "dtype mismatch", "bfloat16", "'nope'",
+                 "strict=False", "'epoch'", "No destination tensor was changed"):
+        assert part in msg, part
+    assert info.value.phase == "validate" and list(info.value.failures) == [0]
+    for k, v in before.items():
+        assert torch.equal(_bits(state["optim"]["state"][0][k]), _bits(v))
+    assert state["optim"]["param_groups"][0]["lr"] is None
+
+
+def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(native, bad)
+    data = bad / "rank-00000.safetensors"
+    os.truncate(data, os.path.getsize(data) - 8)
+    state = _poisoned()
+    with pytest.raises(LoadError, match="rank-00000.safetensors"):
+        dcp_load.load(state, checkpoint_id=bad)
+    assert torch.isnan(state["model"]["w"]).all()
+    os.remove(data)
+    with pytest.raises(LoadError, match="rank-00000.safetensors"):
+        dcp_load.load(_poisoned(), checkpoint_id=bad)
+    with pytest.raises(LoadError, match="dcp-metadata.json|not a checkpoint|no checkpoint|does not exist"):
+        dcp_load.load(_poisoned(), checkpoint_id=tmp_path / "nothing-here")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({}, "give checkpoint_id= .* or storage_reader="),
+    ({"checkpoint_id": "x", "storage_reader": object()}, "not both"),
+    ({"checkpoint_id": "x", "broadcast_groups": {}, "broadcast_replicated_tensors": False},
+     "drop broadcast_groups or set broadcast_replicated_tensors=True"),
+    ({"checkpoint_id": "x", "broadcast_groups": {}, "no_dist": True}, "has no effect with no_dist"),
+    ({"checkpoint_id": "x", "broadcast_batch_bytes": -1}, "broadcast_batch_bytes must be an int >= 0"),
+])
+def test_argument_errors_say_what_to_do(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dcp_load.load({"w": torch.zeros(1)}, **kwargs)
+
+
+def test_keywords_are_keyword_only():
+    with pytest.raises(TypeError):
+        dcp_load.load({}, "path")  # type: ignore[misc]
+
+
+def test_storage_reader_is_left_open(native):
+    from dcp_reader import open_checkpoint
+
+    with open_checkpoint(native) as reader:
+        state = _poisoned()
+        dcp_load.load(state, storage_reader=reader)
+        dcp_load.load(state, storage_reader=reader)
+        assert reader.bytes_read > 0
+    _assert_same(state, _state())
+
+
+def test_save_rejects_non_json_values_without_pickle(tmp_path):
+    with pytest.raises(LoadError, match="allow_pickle=True"):
+        dcp_load.save({"w": torch.zeros(2), "betas": (0.9, 0.99)}, checkpoint_id=tmp_path / "c")
+    assert not (tmp_path / "c" / "dcp-metadata.json").exists()
+    dcp_load.save({"w": torch.zeros(2), "betas": (0.9, 0.99)}, checkpoint_id=tmp_path / "d", allow_pickle=True)
+    state = {"w": torch.ones(2), "betas": None}
+    dcp_load.load(state, checkpoint_id=tmp_path / "d", allow_pickle=True)
+    assert state["betas"] == (0.9, 0.99)
+
+
+def test_save_over_a_checkpoint_removes_its_metadata_first(native, tmp_path, monkeypatch):
+    import shutil
+
+    from dcp_reader import NativeWriter
+
+    path = tmp_path / "again"
+    shutil.copytree(native, path)
+
+    def crash(self, *a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(NativeWriter, "write_file", crash)
+    with pytest.raises(LoadError, match="disk full"):
+        dcp_load.save(_state(), checkpoint_id=path)
+    assert not (path / "dcp-metadata.json").exists()  # never mistaken for a complete checkpoint
+
+
+def test_cli_inspect(native, capsys):
+    assert cli(["inspect", native, "--chunks"]) == 0
+    out = capsys.readouterr().out
+    assert "format native, 6 tensors, 4 values" in out
+    assert "model.w" in out and "(6, 4)" in out and "float8_e4m3fn" in out and "offsets=(0, 0)" in out
+    assert cli(["inspect", native + "-missing"]) == 2
