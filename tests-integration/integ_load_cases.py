@@ -384,6 +384,17 @@ def mesh4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
 
     run_case(results, "one_rank_bad", one_rank_bad)
 
+    def settings_differ(errors: list[str]) -> Any:
+        try:
+            dcp_load.load(_mesh_state(mesh, [R, S(1)]), checkpoint_id=ckpts["hf"],
+                          broadcast_batch_bytes=4096 if rank == 3 else 8192)
+        except dcp_load.LoadError as exc:
+            return {"message": str(exc), "failures": sorted(exc.failures)}
+        errors.append("no LoadError")
+        return None
+
+    run_case(results, "settings_differ", settings_differ)
+
     # a read that fails mid-run, after validation, on rank 1: no hang, every rank raises
     def midrun_failure(errors: list[str]) -> Any:
         from dcp_reader import open_checkpoint

@@ -174,6 +174,12 @@ def test_failure_on_one_rank_raises_everywhere(results):
     assert "only.on.rank2" in outs[0]["message"]
 
 
+def test_different_broadcast_settings_fail_instead_of_hanging(results):
+    outs = _case(results, "settings_differ")
+    assert all("broadcast_batch_bytes=4096" in o["message"] and "same broadcast settings" in o["message"]
+               for o in outs)
+
+
 def test_read_failure_mid_run_raises_everywhere_without_hanging(results):
     outs = _case(results, "midrun_failure")
     for o in outs:

@@ -144,7 +144,17 @@ def load(
             wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast)) for t in targets]
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
             errors.append(f"{type(exc).__name__}: {exc}")
-        gathered = exchange(platform, errors, "validate", collective=collective, payload=wants)
+        # The settings that shape the collectives travel with the wants: ranks that differ
+        # would walk different broadcast schedules and hang, so they fail together instead.
+        settings = (broadcast, broadcast_batch_bytes)
+        gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings))
+        differing = sorted({s for _, s in gathered_all})
+        if len(differing) > 1:
+            per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
+                        for r, (_, s) in enumerate(gathered_all)}
+            raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
+                             for r, c in per_rank.items()}, "validate")
+        gathered = [w for w, _ in gathered_all]
         phases.end("prepare")
 
         plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner)
