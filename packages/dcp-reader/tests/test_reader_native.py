@@ -190,6 +190,7 @@ def test_lru_bounds_open_files_and_reads_do_not_stat(tmp_path, monkeypatch):
         f"t{i}": TensorMeta(f"t{i}", (4,), "float32", (ChunkMeta((0,), (4,), f"f{i}.safetensors", f"t{i}@0"),))
         for i in range(4)}, values={}, format="native"))
     with open_checkpoint(tmp_path, max_open_files=2) as r:
+        evicted = r.read("t1", r.metadata.tensors["t1"].chunks[0], (0,), (4,), framework="numpy")
         for i in [0, 1, 2, 3, 0]:
             c = r.metadata.tensors[f"t{i}"].chunks[0]
             assert r.read(f"t{i}", c, (1,), (2,))[0].item() == i
@@ -205,8 +206,10 @@ def test_lru_bounds_open_files_and_reads_do_not_stat(tmp_path, monkeypatch):
         assert calls == []
         monkeypatch.undo()
         kept = r.read("t3", r.metadata.tensors["t3"].chunks[0], (0,), (4,))
+        kept_np = r.read("t2", r.metadata.tensors["t2"].chunks[0], (0,), (4,), framework="numpy")
     assert r._files == {}
-    assert kept.sum().item() == 12  # a returned view stays valid after close
+    # views handed out stay valid after their file was evicted or the reader closed
+    assert kept.sum().item() == 12 and kept_np.sum() == 8 and evicted.sum() == 4
 
 
 def test_numpy_reads_do_not_import_torch_or_mindspore(tmp_path):

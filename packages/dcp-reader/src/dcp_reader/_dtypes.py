@@ -81,6 +81,14 @@ def numpy_dtype(name: str) -> Any:
     return np.dtype(name)
 
 
+def numpy_bits_dtype(name: str) -> Any:
+    """The numpy dtype that holds ``name``'s values or, for bfloat16/float8, their raw bits."""
+    import numpy as np
+
+    itemsize(name)  # raises UnknownDtypeError for unknown names
+    return np.dtype(_NUMPY_BITS.get(name, name))
+
+
 def _registered_numpy_type(name: str) -> Any:
     import sys
 

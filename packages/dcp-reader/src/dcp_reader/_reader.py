@@ -134,7 +134,7 @@ class CheckpointReader:
                                 f"metadata says {t.dtype} {list(chunk.sizes)}; the checkpoint is "
                                 "inconsistent: re-save it", path=f.path, key=chunk.key)
         if framework == "torch":
-            out = f.torch_box(chunk.key, sl)
+            out = f.torch_box(chunk.key, t.dtype, sl)
         else:
             out = f.numpy_box(chunk.key, t.dtype, sl)
             if framework == "mindspore":
