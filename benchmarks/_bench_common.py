@@ -567,3 +567,54 @@ def measure_disk_bandwidth(path: Path) -> dict[str, float]:
     dt = now() - t0
     return {"bytes": total, "seconds": dt, "bytes_per_s": total / dt,
             "read_bytes": read_bytes() - io0, "drop": method}
+
+
+def read_ahead_kb(path: Path) -> int | None:
+    """The block device readahead (KiB) of the file system holding ``path``, if visible."""
+    st = os.stat(path)
+    base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for q in (base / "queue" / "read_ahead_kb", base.parent / "queue" / "read_ahead_kb"):
+        try:
+            return int(q.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def readahead_probe(path: Path, box: int = 4 * MiB) -> dict[str, Any]:
+    """Bytes fetched from storage to copy one ``box``-byte range out of a cold file.
+
+    The same range is read cold four ways: through a memory map (what safetensors'
+    get_slice does), a memory map with MADV_RANDOM, and preadv with and without
+    POSIX_FADV_RANDOM. The difference is the kernel's readahead around page faults.
+    """
+    import mmap
+
+    f = max(checkpoint_files(path), key=lambda p: p.stat().st_size)
+    off = (f.stat().st_size // 2) & ~(mmap.PAGESIZE - 1)
+
+    def via_mmap(advice: int | None) -> None:
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mp:
+            if advice is not None:
+                mp.madvise(advice)
+            bytes(mp[off:off + box])
+
+    def via_pread(advice: int | None) -> None:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            if advice is not None:
+                os.posix_fadvise(fd, 0, 0, advice)
+            os.preadv(fd, [bytearray(box)], off)
+        finally:
+            os.close(fd)
+
+    out: dict[str, Any] = {"box_bytes": box, "file": f.name, "read_ahead_kb": read_ahead_kb(f)}
+    for name, fn in (("mmap", lambda: via_mmap(None)),
+                     ("mmap MADV_RANDOM", lambda: via_mmap(mmap.MADV_RANDOM)),
+                     ("preadv", lambda: via_pread(None)),
+                     ("preadv FADV_RANDOM", lambda: via_pread(os.POSIX_FADV_RANDOM))):
+        drop_page_cache()
+        before = read_bytes()
+        fn()
+        out[name] = read_bytes() - before
+    return out

@@ -10,14 +10,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _bench_stats import median  # noqa: E402
-from bench_load_replicated import LAYOUT_NAMES, METHOD_NAMES  # noqa: E402
+from bench_load_replicated import LAYOUT_NAMES, LAYOUTS, METHOD_NAMES  # noqa: E402
 
 COLORS = {"dcp": "#1f77b4", "dcp-reread": "#9ecae1", "torch": "#d62728"}
 
 
 def _layouts(rep: dict[str, Any]) -> list[str]:
     lays = list(dict.fromkeys(r["layout"] for r in rep["runs"]))
-    return sorted(lays, key=lambda lay: (next(r["world"] for r in rep["runs"] if r["layout"] == lay), lay))
+    order = list(LAYOUTS)
+    return sorted(lays, key=lambda lay: (next(r["world"] for r in rep["runs"] if r["layout"] == lay),
+                                         order.index(lay)))
 
 
 def _label(rep: dict[str, Any], lay: str) -> str:
@@ -55,9 +57,10 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     rep = results.get("replicated")
     if rep:
         modes = list(dict.fromkeys(r["mode"] for r in rep["runs"]))
-        titles = {"warm": "warm page cache, one host", "cold": "cold, simulated nodes (own copy each)"}
+        titles = {"warm": "warm page cache, one host", "coldhost": "cold, one host (one copy)",
+                  "cold": "cold, simulated nodes (a copy each)"}
         gib = rep["unique_bytes"] / 2**30
-        fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.4), squeeze=False)
         for ax, mode in zip(axes[0], modes, strict=True):
             _bars(ax, rep, mode, "wall_s", 1.0)
             ax.set_title(f"{titles[mode]}")
@@ -68,7 +71,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             ax.axhline(rep["unique_bytes"] / bw * 1.2, color="k", ls="--", lw=1,
                        label="goal: 1.2 x unique bytes / disk bandwidth")
         axes[0][0].legend(fontsize=8, loc="upper left")
-        if "cold" in modes:
+        if "cold" in modes and modes.index("cold"):
             axes[0][modes.index("cold")].legend(fontsize=8, loc="upper left")
         fig.suptitle(f"Loading a {gib:.2f} GiB HF checkpoint on gloo ranks: time "
                      f"({len({r['repeat'] for r in rep['runs']})} repeats)", fontsize=11)
@@ -78,8 +81,10 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(p)
 
-        fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
-        for ax, mode in zip(axes[0], modes, strict=True):
+        # Warm runs fetch nothing from storage: only the cold modes are worth a panel.
+        bmodes = [m for m in modes if m != "warm"] or modes
+        fig, axes = plt.subplots(1, len(bmodes), figsize=(5.5 * len(bmodes), 4.2), squeeze=False)
+        for ax, mode in zip(axes[0], bmodes, strict=True):
             _bars(ax, rep, mode, "read_bytes_total", 2**30)
             ax.axhline(gib, color="k", ls="--", lw=1, label="unique bytes (checkpoint)")
             ax.set_title(titles[mode])

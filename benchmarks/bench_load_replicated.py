@@ -4,7 +4,9 @@ Layouts DP4, DP2xTP2 and DP4xTP2. For each: (a) warm page cache, one copy of the
 shared by every rank (one host); (b) simulated multi-node cold storage: ranks are grouped
 into nodes of ``ranks_per_node`` (TP inside a node, DP across nodes, as on real clusters),
 each node reads its own byte-identical copy of the files, and the page cache is dropped
-right before the load. Methods: dcp (read once, broadcast), dcp-reread (every rank reads
+right before the load; (c) one host, cold: one copy of the files shared by every rank, page
+cache dropped right before the load (what re-reading costs where ranks share a page cache).
+Methods: dcp (read once, broadcast), dcp-reread (every rank reads
 what it needs: broadcast_replicated_tensors=False) and torch.distributed.checkpoint.load
 with its HuggingFaceStorageReader. Every rank also samples its resident memory (scenario 4).
 """
@@ -22,6 +24,7 @@ from _bench_common import (
     copy_checkpoint,
     measure_disk_bandwidth,
     rank_load,
+    readahead_probe,
     warm_files,
     write_hf_checkpoint,
     write_warmup_checkpoint,
@@ -31,6 +34,13 @@ from _bench_stats import fmt_bytes, median, summarise, table
 LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1)}
 LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8"}
 METHODS = ("dcp", "dcp-reread", "torch")
+TITLES = {
+    "warm": "1a. Warm page cache, one host (every rank reads one copy of the files)",
+    "cold": "1b. Simulated multi-node cold storage (a copy of the files per node, page cache "
+            "dropped before each load)",
+    "coldhost": "1c. Cold storage, one host (one copy of the files shared by every rank, page "
+                "cache dropped before each load)",
+}
 METHOD_NAMES = {"dcp": "dcp (read once + broadcast)", "dcp-reread": "dcp (every rank reads)",
                 "torch": "torch DCP (HF reader)"}
 
@@ -62,8 +72,15 @@ def run(args: Any, log: Any) -> dict[str, Any]:
             copy_checkpoint(base, c)
     runs: list[dict[str, Any]] = []
     disk: list[dict[str, float]] = []
+    probe = None
+    if "cold" in modes or "coldhost" in modes:
+        probe = readahead_probe(base)
+        log(f"  readahead probe (read_ahead_kb={probe['read_ahead_kb']}): a cold "
+            f"{fmt_bytes(probe['box_bytes'])} range costs " + ", ".join(
+                f"{k} {fmt_bytes(probe[k])}" for k in ("mmap", "mmap MADV_RANDOM", "preadv",
+                                                       "preadv FADV_RANDOM")))
     for rep in range(args.repeats):
-        if "cold" in modes:
+        if "cold" in modes or "coldhost" in modes:
             d = measure_disk_bandwidth(base)
             d["repeat"] = rep
             disk.append(d)
@@ -81,11 +98,13 @@ def run(args: Any, log: Any) -> dict[str, Any]:
                     if mode == "warm":
                         rpn, dirs = world, (str(base),)
                         warm_files(base)
+                    elif mode == "coldhost":
+                        rpn, dirs = world, (str(base),)
                     else:
                         rpn = _rpn(args, lay)
                         dirs = tuple(str(c) for c in copies[: world // rpn])
                     r = Run(method=method, spec=spec, dp=dp, tp=tp, ckpt_dirs=dirs,
-                            ranks_per_node=rpn, cold=mode == "cold",
+                            ranks_per_node=rpn, cold=mode in ("cold", "coldhost"),
                             batch_bytes=args.batch_bytes, verify=rep == 0 or args.verify_all,
                             warmup_dir=warm_dir)
                     per_rank = args.launcher.run(rank_load, world, r, timeout=args.rank_timeout)
@@ -93,12 +112,12 @@ def run(args: Any, log: Any) -> dict[str, Any]:
                     runs.append({"layout": lay, "world": world, "dp": dp, "tp": tp, "mode": mode,
                                  "method": method, "repeat": rep, "nodes": len(dirs),
                                  "ranks_per_node": rpn, "summary": s, "per_rank": per_rank})
-                    log(f"  rep {rep} {lay:7s} {mode:4s} {method:10s} {s['wall_s']:7.3f} s  "
+                    log(f"  rep {rep} {lay:7s} {mode:8s} {method:10s} {s['wall_s']:7.3f} s  "
                         f"read {fmt_bytes(s['read_bytes_total'])}  "
                         f"collectives {s['data_collectives_max']}  "
                         f"extra anon {fmt_bytes(s.get('extra_anon_max', float('nan')))}  "
                         f"[{_phases(per_rank)}]")
-    return {"spec": spec.__dict__, "unique_bytes": nbytes, "runs": runs, "disk": disk,
+    return {"spec": spec.__dict__, "unique_bytes": nbytes, "runs": runs, "disk": disk, "probe": probe,
             "copies": [str(c) for c in copies]}
 
 
@@ -156,9 +175,7 @@ def tables(res: dict[str, Any]) -> list[str]:
                         fmt_bytes(med(res, lay, mode, m, "read_bytes_max")),
                         f"{med(res, lay, mode, m, 'data_collectives_max'):.0f}"]
                 rows.append(row)
-        title = {"warm": "1a. Warm page cache, one host (every rank reads one copy of the files)",
-                 "cold": "1b. Simulated multi-node cold storage (a copy of the files per node, "
-                         "page cache dropped before each load)"}[mode]
+        title = TITLES[mode]
         out.append(f"### {title}\n\nCheckpoint {fmt_bytes(unique)} (unique bytes); "
                    f"median of {reps} runs; ratio = time / torch DCP's time in the same repeat "
                    "(median of the per-repeat ratios); storage reads from /proc/self/io read_bytes "
@@ -179,11 +196,35 @@ def tables(res: dict[str, Any]) -> list[str]:
                 rows.append([LAYOUT_NAMES[lay], f"{rs[0]['nodes']} x {rs[0]['ranks_per_node']}",
                              METHOD_NAMES[m], " / ".join(f"{b / 2**20:.0f}" for b in per_rank),
                              f"{med(res, lay, 'cold', m, 'wall_s') / bound:.2f}"])
+        p = res.get("probe")
+        probe = "" if not p else (
+            f"\n\nReadahead probe, same run: copying one cold {fmt_bytes(p['box_bytes'])} range out "
+            f"of {p['file']} fetched " + ", ".join(f"{fmt_bytes(p[k])} through {k}" for k in (
+                "mmap", "mmap MADV_RANDOM", "preadv", "preadv FADV_RANDOM"))
+            + f" (block device read_ahead_kb = {p['read_ahead_kb']}).")
         out.append("### 1b. Per-rank bytes fetched from storage (MiB, median over repeats), cold\n\n"
                    f"Raw disk bandwidth, cold sequential 16 MiB reads of the files, median: "
-                   f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.\n\n" + table(
+                   f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.{probe}\n\n" + table(
             ["layout", "nodes x ranks", "method", "MiB read per rank (rank 0..N-1)",
              "time / (unique / bandwidth)"], rows))
+    if "dcp" in methods and "dcp-reread" in methods:
+        rows = []
+        for mode in [m for m in ("warm", "coldhost") if m in modes]:
+            for lay in layouts:
+                row = [LAYOUT_NAMES[lay], mode]
+                for m in ("dcp", "dcp-reread", "torch"):
+                    v = med(res, lay, mode, m, "wall_s")
+                    row.append("-" if v != v else f"{v:.3f}")
+                row.append(f"{ratio_in_run(res, lay, mode, 'dcp', 'dcp-reread'):.2f}")
+                row.append(fmt_bytes(med(res, lay, mode, "dcp-reread", "read_bytes_total")))
+                rows.append(row)
+        if rows:
+            out.append("### One host: broadcast or re-read?\n\nEvery rank on one host, one copy of "
+                       "the files. broadcast / re-read = dcp (read once + broadcast) time over dcp "
+                       "(every rank reads) time in the same repeat (median of the ratios); storage "
+                       "read = bytes all ranks fetched from storage when every rank reads.\n\n" + table(
+                           ["layout", "cache", "dcp broadcast s", "dcp re-read s", "torch DCP s",
+                            "broadcast / re-read", "storage read, re-read"], rows))
     rows = []
     for lay in layouts:
         for mode in modes:

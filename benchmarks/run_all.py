@@ -4,8 +4,8 @@
     python benchmarks/run_all.py --quick          # small sizes, 1 repeat: a smoke run
     python benchmarks/run_all.py --scenarios replicated --layouts dp4 --modes warm
 
-Scenarios: replicated (1a warm, 1b simulated multi-node cold, and 4 peak memory, sampled in
-the same runs), small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
+Scenarios: replicated (1a warm, 1b simulated multi-node cold, 1c cold on one host, and 4
+peak memory, sampled in the same runs), small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
 plan (5: the global plan for 1024 and 4096 simulated ranks, no processes).
 
 Results go to bench-results/<UTC time>.json (and bench-results/latest.json), tables are
@@ -54,7 +54,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2",
                     help=f"replicated layouts: {','.join(bench_load_replicated.LAYOUTS)}")
-    ap.add_argument("--modes", default="warm,cold", help="replicated page-cache modes: warm,cold")
+    ap.add_argument("--modes", default="warm,coldhost,cold",
+                    help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
+                         "cold (simulated nodes, a copy each, cache dropped)")
     ap.add_argument("--methods", default="dcp,dcp-reread,torch",
                     help="replicated methods: dcp,dcp-reread,torch")
     ap.add_argument("--ranks-per-node", type=int, default=0,
@@ -81,8 +83,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         if s not in bench_load_replicated.LAYOUTS:
             ap.error(f"--layouts: unknown {s!r}; choose from {','.join(bench_load_replicated.LAYOUTS)}")
     for s in a.modes:
-        if s not in ("warm", "cold"):
-            ap.error(f"--modes: unknown {s!r}; choose from warm,cold")
+        if s not in ("warm", "coldhost", "cold"):
+            ap.error(f"--modes: unknown {s!r}; choose from warm,coldhost,cold")
     for s in a.methods:
         if s not in bench_load_replicated.METHODS:
             ap.error(f"--methods: unknown {s!r}; choose from {','.join(bench_load_replicated.METHODS)}")
