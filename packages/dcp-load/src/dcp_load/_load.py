@@ -68,6 +68,10 @@ def _flags(target: Target, caps: Any, broadcast: bool) -> int:
     return flags
 
 
+class _Reported(Exception):
+    """Skips the rest of the preparation when its error is already recorded."""
+
+
 class _Phases:
     """Per-phase wall times, logged at DEBUG with the rank as each phase ends."""
 
@@ -115,7 +119,12 @@ def load(
     """
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
-    leaves = flatten_state_dict(state_dict)
+    errors: list[str] = []
+    try:
+        leaves = flatten_state_dict(state_dict)
+    except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
+        leaves = []
+        errors.append(f"{type(exc).__name__}: {exc}")
     platform = resolve_platform(platform, leaves)
     rank = platform.rank()
     collective = not no_dist and use_collectives and platform.is_distributed()
@@ -123,13 +132,14 @@ def load(
     phases = _Phases(rank)
 
     reader, owned = storage_reader, False
-    errors: list[str] = []
     targets: list[Target] = []
     values: list[Any] = []
     missing: list[str] = []
     wants: list[Want] = []
     try:
         try:
+            if errors:
+                raise _Reported()
             tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
             values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
             targets = [target_for(leaf) for leaf in tensor_leaves]
@@ -142,6 +152,8 @@ def load(
             errors.extend(errs)
             caps = platform.capabilities
             wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast)) for t in targets]
+        except _Reported:
+            pass
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
             errors.append(f"{type(exc).__name__}: {exc}")
         # The settings that shape the collectives travel with the wants: ranks that differ
