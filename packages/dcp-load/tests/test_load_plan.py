@@ -160,3 +160,49 @@ def test_scales_to_thousands_of_ranks() -> None:
     assert sum(plan.loads) == plan.unique_bytes == 200 * math.prod((4096, 512)) * 2
     assert max(plan.loads) - min(plan.loads) <= 4096 * 64 * 2
     assert elapsed < 20, elapsed
+
+
+# -- property: any saved tiling x any wanted tiling -> every element read exactly once ----
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _cuts(draw, n: int) -> list[tuple[int, int]]:
+    points = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+    edges = [0, *points, n]
+    return [(a, b - a) for a, b in zip(edges, edges[1:], strict=False)]
+
+
+@st.composite
+def _tilings(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3)))
+    saved = [_cuts(draw, n) for n in shape]
+    wanted = [_cuts(draw, n) for n in shape]
+    replicas = draw(st.integers(1, 3))
+    return shape, saved, wanted, replicas
+
+
+def _boxes(cuts):
+    import itertools
+
+    for combo in itertools.product(*cuts):
+        yield tuple(o for o, _ in combo), tuple(s for _, s in combo)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_tilings())
+def test_any_resharding_reads_each_wanted_element_once(case):
+    shape, saved, wanted, replicas = case
+    tensors = {"t": T(shape, tuple(C(o, s, f"f{i}") for i, (o, s) in enumerate(_boxes(saved))), 1)}
+    wanted_boxes = list(_boxes(wanted))
+    # ranks r*k .. hold wanted box k (each box held by `replicas` ranks)
+    wants = [[("t", o, s, BOTH)] for o, s in wanted_boxes for _ in range(replicas)]
+    plan = build_global_plan(tensors, wants)
+    seen = {}
+    for item in plan.broadcasts + plan.local:
+        for idx in _boxes([[(o + i, 1) for i in range(s)] for o, s in zip(item.offsets, item.sizes, strict=True)]):
+            seen[idx[0]] = seen.get(idx[0], 0) + 1
+    assert len(seen) == math.prod(shape) and set(seen.values()) == {1}
+    assert sum(plan.loads) == plan.unique_bytes == math.prod(shape)
+    if replicas > 1:
+        assert plan.local == ()
