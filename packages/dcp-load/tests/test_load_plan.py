@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pytest
 from dcp_load import GreedyPlanner, ReadItem, build_global_plan
 from dcp_load._plan import BROADCASTABLE, VIEWS, intersect
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BOTH = BROADCASTABLE | VIEWS
 
@@ -163,8 +165,6 @@ def test_scales_to_thousands_of_ranks() -> None:
 
 
 # -- property: any saved tiling x any wanted tiling -> every element read exactly once ----
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 def _cuts(draw, n: int) -> list[tuple[int, int]]:
