@@ -91,7 +91,7 @@ def main() -> None:
     print(f"{'message':>10} {'time':>12} {'GB/s':>8}")
     for size in sizes:
         s = r0["by_size"][size]
-        print(f"{_fmt_size(size):>10} {s * 1e3:9.2f} ms {size / s / 1e9:8.2f}")
+        print(f"{_fmt_size(size):>10} {s * 1e3:9.2f} ms {size / s / 1e9:8.3f}")
     fused, loop = r0["fused_s"], r0["loop_s"]
     print(f"fused_copy 500 x 64 KiB: {fused * 1e3:.2f} ms; copy loop: {loop * 1e3:.2f} ms; "
           f"loop / fused = {loop / fused:.2f}x")

@@ -63,10 +63,10 @@ _DTYPE_TO_NAME: dict[Any, str] = {dtype: name for name, dtype in _NAME_TO_DTYPE.
 
 _DEVICE_TYPES = {"CPU": "cpu", "Ascend": "npu", "GPU": "cuda"}
 
-# On the CPU, several broadcasts queued at once (different sources, before any wait) made
-# one of them fail later ("CollectiveWait N failed") on a loaded 2-core machine, and CPU
-# broadcasts do not overlap anyway (capabilities.async_overlap is False): each broadcast is
-# completed before broadcast() returns, which then returns None.
+# On the CPU each broadcast is completed before broadcast() returns (which returns None):
+# CPU broadcasts do not overlap (capabilities.async_overlap is False), and a queued
+# broadcast's failure ("CollectiveWait N failed") was seen to surface only at a later,
+# unrelated synchronize; completed inline, the error belongs to the call that caused it.
 _CPU_INLINE = True
 
 
