@@ -60,8 +60,9 @@ class GroupManager:
     def __enter__(self) -> GroupManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # After a failure, peers may be stuck in a collective: no barrier then.
+        self.close(wait_for_peers=exc_type is None)
 
     def _world(self) -> tuple[int, ...]:
         return tuple(range(self._platform.world_size()))
@@ -123,8 +124,13 @@ class GroupManager:
             "rank first, or supply it"
         )
 
-    def close(self) -> None:
-        """Synchronize the device, then destroy the groups this manager created."""
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Synchronize the device, then destroy the groups this manager created.
+
+        ``wait_for_peers`` (a collective, used on normal exit; only when this manager
+        created groups, which every rank knows alike): one all-gather first, so that no
+        rank closes a group's connections while a peer is still finishing a broadcast on it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -133,6 +139,8 @@ class GroupManager:
         try:
             # In-flight device work may still use a group; destroy it only once finished.
             self._platform.synchronize()
+            if created and wait_for_peers and self._platform.is_distributed():
+                self._platform.all_gather_object(None)
         finally:
             errors = []
             for key, group in created.items():
