@@ -21,7 +21,7 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_ranks(cases.main_cases, WORLD, timeout=180)
+    return run_ranks(cases.main_cases, WORLD, timeout=240)
 
 
 def _scenario(results: list[dict], name: str) -> list[dict]:
