@@ -4,7 +4,8 @@ safetensors.torch.load_file + copy_, side by side in one process, warm page cach
 
 safetensors 0.8's load_file memory-maps by default (tensors are lazy views, like the
 reader's), so a third column times load_file(backend="pread"), which reads whole files.
-Three cases: whole tensors, the first half of every tensor along dim 0, and the first half
+A last line gives the fixed cost of one small read against indexing
+safe_open(...).get_slice(key) directly. Three cases: whole tensors, the first half of every tensor along dim 0, and the first half
 along dim 1. Each repetition runs the methods one after the other; the best of the repetitions
 (robust to a busy shared machine) and the ratio (other time / reader time) are printed. The checkpoint is written to a
 temporary directory under /tmp and deleted afterwards.
@@ -81,6 +82,32 @@ def with_load_file(root: str, want, dst, backend: str = "mmap") -> None:
         del sd
 
 
+def per_read_overhead(root: str, shapes, n: int = 3000) -> None:
+    """Fixed cost of one small read (a 2 x 2 box): what dominates checkpoints of many small
+    tensors. CheckpointReader.read against indexing safetensors' get_slice directly."""
+    from safetensors import safe_open
+
+    name = next(iter(shapes))
+    fname = sorted(f for f in os.listdir(root) if f.endswith(".safetensors"))[0]
+    with open_checkpoint(root) as r:
+        chunk = r.metadata.tensors[name].chunks[0]
+        out = {}
+        for fw in ("torch", "numpy"):
+            r.read(name, chunk, (5, 5), (2, 2), framework=fw)
+            t = time.perf_counter()
+            for _ in range(n):
+                r.read(name, chunk, (5, 5), (2, 2), framework=fw)
+            out[f"reader {fw}"] = (time.perf_counter() - t) / n
+    for fw in ("pt",):  # safetensors' numpy framework cannot read bf16
+        f = safe_open(os.path.join(root, fname), framework=fw)
+        f.get_slice(name)[5:7, 5:7]
+        t = time.perf_counter()
+        for _ in range(n):
+            f.get_slice(name)[5:7, 5:7]
+        out[f"safe_open({fw!r}).get_slice"] = (time.perf_counter() - t) / n
+    print("per small read: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in out.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=1.0)
@@ -123,6 +150,7 @@ def main() -> None:
             a, b, c = min(mine), min(theirs), min(pread)
             print(f"{case:<10} {a:>9.3f} {b:>12.3f} {b / a:>5.2f}x {c:>8.3f} {c / a:>5.2f}x "
                   f"{nbytes / a / 1e9:>12.2f}")
+        per_read_overhead(root, shapes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
