@@ -57,12 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="allow reading pickled metadata (only for checkpoints you trust)")
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
+    d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle)
     from .demo import main as demo_main
 
-    return demo_main(["--keep", args.keep] if args.keep else [])
+    extra = ["--keep", args.keep] if args.keep else []
+    if args.batch_bytes is not None:
+        extra += ["--batch-bytes", str(args.batch_bytes)]
+    return demo_main(extra)
 
 
 if __name__ == "__main__":
