@@ -158,3 +158,11 @@ def test_errors_pickle_with_path_and_key():
     assert type(back) is CoverageError and back.path == "/ckpt" and back.key == "w"
     assert back.offenders == ("w", "v") and str(back) == str(e)
     assert isinstance(back, ValueError)
+
+
+def test_metadata_pickles_for_exchange_between_ranks():
+    import pickle
+
+    m = _meta(_t("w", (4,), [((0,), (2,)), ((2,), (2,))]), values=[ValueMeta("step", 1)])
+    back = pickle.loads(pickle.dumps(m))
+    assert back == m and back.tensors["w"].chunks[1].offsets == (2,)

@@ -202,6 +202,9 @@ class CheckpointMetadata:
                                 f"chunks: {summarise(problems)}. The checkpoint is incomplete or "
                                 "inconsistent; re-save it", key=offenders[0], offenders=offenders)
 
+    def __reduce__(self) -> Any:  # read-only mapping views do not pickle; rebuild from dicts
+        return (type(self), (dict(self.tensors), dict(self.values), self.format, self.schema_version))
+
     # -- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
         tensors = {}
