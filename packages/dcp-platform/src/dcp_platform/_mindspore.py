@@ -47,6 +47,8 @@ except ImportError as exc:  # pragma: no cover - depends on the MindSpore releas
 
 # Measured on CPU (module docstring): the only dtypes MindSpore's CPU broadcast sends intact.
 _CPU_NATIVE = frozenset({"float32", "int32"})
+# HCCL/NCCL broadcast types per MindSpore's Broadcast documentation (not run here).
+_DEVICE_NATIVE = frozenset({"float32", "float16", "bfloat16", "int8", "int32"})
 
 # neutral name -> attribute of the mindspore module; the names match dcp's torch names.
 _DTYPE_ATTRS = {
@@ -117,7 +119,7 @@ class MindSporePlatform(Platform):
         self._group_ids = itertools.count()
         self._caps = Capabilities(
             subgroups=not self._cpu,
-            native_dtypes=_CPU_NATIVE,
+            native_dtypes=_CPU_NATIVE if self._cpu else _DEVICE_NATIVE,
             host_collectives=self._cpu,
             device_type=_DEVICE_TYPES.get(self._target, self._target.lower()),
             async_overlap=not self._cpu,
@@ -246,6 +248,12 @@ class MindSporePlatform(Platform):
         if not 0 <= src < world:
             raise ValueError(f"broadcast: src {src} out of range for world size {world}")
         if not self._cpu:
+            dtype = self.dtype_name(tensor.dtype)
+            if dtype not in self._caps.native_dtypes:
+                raise self._unsupported(
+                    f"broadcast of {dtype} on {self._target}: only {sorted(self._caps.native_dtypes)} "
+                    "are sent as they are there, and raw bytes are moved through host memory"
+                )
             msdist.broadcast(tensor, src, group=name)
             return _Handle(keep=tensor)
         nbytes = self.nbytes(tensor)
