@@ -300,3 +300,17 @@ def test_overlapping_header_entries(tmp_path):
     with pytest.raises(MetadataError, match="overlap") as ei:
         open_checkpoint(tmp_path)
     assert ei.value.path.endswith("model.safetensors") and ei.value.key in ("a", "b")
+
+
+def test_bad_arguments_are_value_errors(tmp_path):
+    _native(tmp_path)
+    with pytest.raises(ValueError, match="format must be one of"):
+        open_checkpoint(tmp_path, format="zip")
+    with pytest.raises(ValueError, match="max_open_files"):
+        open_checkpoint(tmp_path, max_open_files=0)
+    with open_checkpoint(tmp_path) as r:
+        c = r.metadata.tensors["w"].chunks[0]
+        with pytest.raises(ValueError, match="framework"):
+            r.read("w", c, (0, 0), (1, 1), framework="jax")
+        with pytest.raises(ValueError, match="2 dims"):
+            r.read("w", c, (0,), (1,))
