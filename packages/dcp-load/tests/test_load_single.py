@@ -192,3 +192,9 @@ def test_cli_inspect(native, capsys):
     assert "format native, 6 tensors, 4 values" in out
     assert "model.w" in out and "(6, 4)" in out and "float8_e4m3fn" in out and "offsets=(0, 0)" in out
     assert cli(["inspect", native + "-missing"]) == 2
+
+
+def test_save_refuses_chunks_that_do_not_cover_the_tensor(tmp_path):
+    with pytest.raises(LoadError, match="do not tile"):
+        dcp_load.save({"w": Chunk(torch.zeros(2, 4), (4, 4), (0, 0))}, checkpoint_id=tmp_path / "c")
+    assert not (tmp_path / "c" / "dcp-metadata.json").exists()

@@ -52,20 +52,22 @@ def _file_name(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
-def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadItem]], list[str]]:
-    """(tensor metadata by name, items each rank writes, errors) from every rank's holdings."""
+def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
+    """(tensor metadata by name, items each rank writes, errors by offending rank) from
+    every rank's holdings (the same on every rank)."""
     from dcp_reader import ChunkMeta, TensorMeta, chunk_key
     from dcp_reader._dtypes import itemsize
 
-    errors: list[str] = []
+    errors: dict[int, list[str]] = {}
     info: dict[str, tuple[tuple[int, ...], str]] = {}
     boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
     for rank, (holdings, _) in enumerate(gathered):
         for name, offsets, sizes, dtype, shape in holdings:
             seen = info.setdefault(name, (shape, dtype))
             if seen != (shape, dtype):
-                errors.append(f"{name!r}: rank {rank} holds shape {shape} {dtype}, another rank "
-                              f"{seen[0]} {seen[1]}; every rank must agree on a tensor's global shape and dtype")
+                errors.setdefault(rank, []).append(
+                    f"{name!r}: this rank holds global shape {shape} {dtype}, a lower rank {seen[0]} {seen[1]}; "
+                    "every rank must agree on a tensor's global shape and dtype")
                 continue
             boxes.setdefault((name, offsets, sizes), []).append(rank)
     items = [ReadItem(n, 0, o, s, max(1, _numel(s)) * itemsize(info[n][1]), tuple(r))
@@ -142,17 +144,19 @@ def save(
     gathered = exchange(platform, errors, "save", collective=collective, payload=(holdings, sorted(values)))
     gathered = [(h, v) for h, v in gathered]
 
-    tensors, per_rank, errors = _layout(gathered)
+    tensors, per_rank, failures = _layout(gathered)
     missing_values = sorted(set().union(*(set(v) for _, v in gathered)) - set(gathered[0][1]))
     if missing_values:
-        errors.append(f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
-                      "rank 0 writes the values, so it must hold all of them")
+        failures.setdefault(0, []).append(
+            f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
+            "rank 0 writes the values, so it must hold all of them")
     try:
         CheckpointMetadata(tensors=tensors, values={}, format="native")
     except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
-        errors.append(f"{type(exc).__name__}: {exc}")
-    if errors:
-        raise LoadError({0: errors}, "save")
+        failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
+                                          f"{type(exc).__name__}: {exc}")
+    if failures:
+        raise LoadError(failures, "save")
 
     written = nbytes = 0
     value_meta: dict[str, Any] = {}
