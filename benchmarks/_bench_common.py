@@ -84,7 +84,7 @@ def warmup_spec(spec: ModelSpec | SmallSpec) -> ModelSpec | SmallSpec:
     """A tiny checkpoint with the same names, dtypes and sharding as ``spec``."""
     if isinstance(spec, ModelSpec):
         return dataclasses.replace(spec, hidden=64, kv_dim=16, intermediate=128, vocab=256)
-    return dataclasses.replace(spec, nbytes=64)
+    return dataclasses.replace(spec, count=min(spec.count, 64), nbytes=64)
 
 
 def spec_nbytes(spec: ModelSpec | SmallSpec) -> int:

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _bench_stats import median  # noqa: E402
 from bench_load_replicated import LAYOUT_NAMES, LAYOUTS, METHOD_NAMES  # noqa: E402
 
-COLORS = {"dcp": "#1f77b4", "dcp-reread": "#9ecae1", "torch": "#d62728"}
+COLORS = {"dcp": "#1f77b4", "dcp-64k": "#6baed6", "dcp-reread": "#c6dbef", "torch": "#d62728"}
 
 
 def _layouts(rep: dict[str, Any]) -> list[str]:
@@ -29,7 +29,7 @@ def _label(rep: dict[str, Any], lay: str) -> str:
 
 def _bars(ax: Any, rep: dict[str, Any], mode: str, key: str, scale: float) -> None:
     lays = _layouts(rep)
-    methods = [m for m in COLORS if any(r["method"] == m for r in rep["runs"])]
+    methods = [m for m in COLORS if any(r["method"] == m and r["mode"] == mode for r in rep["runs"])]
     width = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
         xs, ys, lo, hi = [], [], [], []
@@ -74,7 +74,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         if "cold" in modes and modes.index("cold"):
             axes[0][modes.index("cold")].legend(fontsize=8, loc="upper left")
         fig.suptitle(f"Loading a {gib:.2f} GiB HF checkpoint on gloo ranks: time "
-                     f"({len({r['repeat'] for r in rep['runs']})} repeats)", fontsize=11)
+                     f"(median of {len({r['repeat'] for r in rep['runs']})} runs)", fontsize=11)
         fig.tight_layout()
         p = out / "load_time_vs_ranks.png"
         fig.savefig(p, dpi=110)

@@ -33,7 +33,12 @@ from _bench_stats import fmt_bytes, median, summarise, table
 
 LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1)}
 LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8"}
-METHODS = ("dcp", "dcp-reread", "torch")
+METHODS = ("dcp", "dcp-64k", "dcp-reread", "torch")
+# label -> (Run.method, broadcast_batch_bytes; None = --batch-bytes, load()'s default 6 MiB).
+# dcp-64k: the threshold dcp-load's demo measured as best on gloo (packing copies cost more
+# than they save above ~64 KiB there).
+METHOD_RUN = {"dcp": ("dcp", None), "dcp-64k": ("dcp", 64 * 1024), "dcp-reread": ("dcp-reread", None),
+              "torch": ("torch", None)}
 TITLES = {
     "warm": "1a. Warm page cache, one host (every rank reads one copy of the files)",
     "cold": "1b. Simulated multi-node cold storage (a copy of the files per node, page cache "
@@ -41,7 +46,8 @@ TITLES = {
     "coldhost": "1c. Cold storage, one host (one copy of the files shared by every rank, page "
                 "cache dropped before each load)",
 }
-METHOD_NAMES = {"dcp": "dcp (read once + broadcast)", "dcp-reread": "dcp (every rank reads)",
+METHOD_NAMES = {"dcp": "dcp (read once + broadcast)", "dcp-64k": "dcp (broadcast, 64 KiB batches)",
+                "dcp-reread": "dcp (every rank reads)",
                 "torch": "torch DCP (HF reader)"}
 
 
@@ -91,7 +97,8 @@ def run(args: Any, log: Any) -> dict[str, Any]:
             world = dp * tp
             for mode in modes:
                 # Rotate the method order every repeat so drift does not favour one method.
-                order = list(args.methods)
+                order = list({"warm": args.methods, "coldhost": args.coldhost_methods,
+                              "cold": args.cold_methods}[mode])
                 k = rep % len(order)
                 order = order[k:] + order[:k]
                 for method in order:
@@ -103,9 +110,11 @@ def run(args: Any, log: Any) -> dict[str, Any]:
                     else:
                         rpn = _rpn(args, lay)
                         dirs = tuple(str(c) for c in copies[: world // rpn])
-                    r = Run(method=method, spec=spec, dp=dp, tp=tp, ckpt_dirs=dirs,
+                    run_method, batch = METHOD_RUN[method]
+                    r = Run(method=run_method, spec=spec, dp=dp, tp=tp, ckpt_dirs=dirs,
                             ranks_per_node=rpn, cold=mode in ("cold", "coldhost"),
-                            batch_bytes=args.batch_bytes, verify=rep == 0 or args.verify_all,
+                            batch_bytes=args.batch_bytes if batch is None else batch,
+                            verify=rep == 0 or args.verify_all,
                             warmup_dir=warm_dir)
                     per_rank = args.launcher.run(rank_load, world, r, timeout=args.rank_timeout)
                     s = summarise(per_rank)
@@ -212,19 +221,22 @@ def tables(res: dict[str, Any]) -> list[str]:
         for mode in [m for m in ("warm", "coldhost") if m in modes]:
             for lay in layouts:
                 row = [LAYOUT_NAMES[lay], mode]
-                for m in ("dcp", "dcp-reread", "torch"):
+                for m in ("dcp", "dcp-64k", "dcp-reread", "torch"):
                     v = med(res, lay, mode, m, "wall_s")
                     row.append("-" if v != v else f"{v:.3f}")
-                row.append(f"{ratio_in_run(res, lay, mode, 'dcp', 'dcp-reread'):.2f}")
+                for m in ("dcp", "dcp-64k"):
+                    v = ratio_in_run(res, lay, mode, m, "dcp-reread")
+                    row.append("-" if v != v else f"{v:.2f}")
                 row.append(fmt_bytes(med(res, lay, mode, "dcp-reread", "read_bytes_total")))
                 rows.append(row)
         if rows:
             out.append("### One host: broadcast or re-read?\n\nEvery rank on one host, one copy of "
-                       "the files. broadcast / re-read = dcp (read once + broadcast) time over dcp "
-                       "(every rank reads) time in the same repeat (median of the ratios); storage "
+                       "the files. broadcast / re-read = dcp (read once + broadcast, 6 MiB or 64 KiB "
+                       "batches) time over dcp (every rank reads) time in the same repeat (median of the ratios); storage "
                        "read = bytes all ranks fetched from storage when every rank reads.\n\n" + table(
-                           ["layout", "cache", "dcp broadcast s", "dcp re-read s", "torch DCP s",
-                            "broadcast / re-read", "storage read, re-read"], rows))
+                           ["layout", "cache", "dcp broadcast s", "broadcast 64 KiB s", "dcp re-read s",
+                            "torch DCP s", "broadcast / re-read", "64 KiB / re-read",
+                            "storage read, re-read"], rows))
     rows = []
     for lay in layouts:
         for mode in modes:

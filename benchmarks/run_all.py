@@ -57,8 +57,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default="warm,coldhost,cold",
                     help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
                          "cold (simulated nodes, a copy each, cache dropped)")
-    ap.add_argument("--methods", default="dcp,dcp-reread,torch",
-                    help="replicated methods: dcp,dcp-reread,torch")
+    ap.add_argument("--methods", default="dcp,dcp-64k,dcp-reread,torch",
+                    help="methods in the warm mode: dcp (batch --batch-bytes), dcp-64k, dcp-reread, torch")
+    ap.add_argument("--coldhost-methods", default="dcp,dcp-reread,torch", help="methods in coldhost mode")
+    ap.add_argument("--cold-methods", default="dcp,torch",
+                    help="methods in the simulated multi-node cold mode (dcp-reread there reads "
+                         "what torch DCP reads; left out by default to keep a full run short)")
     ap.add_argument("--ranks-per-node", type=int, default=0,
                     help="ranks per simulated node in cold runs (default: the TP size)")
     ap.add_argument("--batch-bytes", type=int, default=6 * MiB, help="dcp broadcast_batch_bytes")
@@ -75,6 +79,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     a.layouts = [s for s in a.layouts.split(",") if s]
     a.modes = [s for s in a.modes.split(",") if s]
     a.methods = [s for s in a.methods.split(",") if s]
+    a.cold_methods = [s for s in a.cold_methods.split(",") if s]
+    a.coldhost_methods = [s for s in a.coldhost_methods.split(",") if s]
     a.plan_ranks = [int(s) for s in a.plan_ranks.split(",") if s]
     for s in a.scenarios:
         if s not in SCENARIOS:
@@ -85,7 +91,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for s in a.modes:
         if s not in ("warm", "coldhost", "cold"):
             ap.error(f"--modes: unknown {s!r}; choose from warm,coldhost,cold")
-    for s in a.methods:
+    for s in a.methods + a.cold_methods + a.coldhost_methods:
         if s not in bench_load_replicated.METHODS:
             ap.error(f"--methods: unknown {s!r}; choose from {','.join(bench_load_replicated.METHODS)}")
     if a.repeats is None:
