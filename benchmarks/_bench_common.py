@@ -468,17 +468,13 @@ def _do_load(run: Run, sd: dict[str, Any], ckpt: str, distributed: bool) -> dict
     if run.method == "safetensors":
         from safetensors.torch import load_file
 
-        loaded = load_file(str(Path(ckpt) / "model.safetensors")) if (Path(ckpt) / "model.safetensors").exists() else None
-        if loaded is None:
-            index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
-            for fname in sorted(set(index.values())):
-                part = load_file(str(Path(ckpt) / fname))
-                for k, v in part.items():
-                    sd[k].copy_(v)
-                del part
-        else:
-            for k, v in loaded.items():
+        # One file at a time, as a careful user would: each file is materialised whole.
+        index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
+        for fname in sorted(set(index.values())):
+            part = load_file(str(Path(ckpt) / fname))
+            for k, v in part.items():
                 sd[k].copy_(v)
+            del part
         return {}
     raise ValueError(run.method)
 

@@ -238,6 +238,20 @@ def tables(res: dict[str, Any]) -> list[str]:
                             "torch DCP s", "broadcast / re-read", "64 KiB / re-read",
                             "storage read, re-read"], rows))
     rows = []
+    phases = ("prepare", "plan", "validate", "execute", "finish", "total")
+    for lay in layouts:
+        for mode in modes:
+            for m in [m for m in methods if m.startswith("dcp")]:
+                rs = _runs(res, lay, mode, m)
+                secs = [p.get("report_seconds") for r in rs for p in r["per_rank"][:1]]
+                if not rs or not all(secs):
+                    continue
+                rows.append([LAYOUT_NAMES[lay], mode, METHOD_NAMES[m]]
+                            + [f"{median([x.get(k, float('nan')) for x in secs]):.3f}" for k in phases])
+    if rows:
+        out.append("### dcp's own phase times (LoadReport.seconds of rank 0, median over repeats)\n\n"
+                   + table(["layout", "cache", "method", *phases], rows))
+    rows = []
     for lay in layouts:
         for mode in modes:
             for m in methods:
