@@ -44,9 +44,10 @@ class ExecuteStats:
 
 class _ReadAhead(threading.Thread):
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
-                 events: Mapping[int, threading.Event]):
+                 events: Mapping[int, threading.Event], staged: Mapping[int, Any]):
         super().__init__(name="dcp-load-read-ahead", daemon=True)
         self.reader, self.reads, self.targets, self.events = reader, reads, targets, events
+        self.staged = staged  # read position -> staging tensor to read into instead of the target
         self.stop = threading.Event()
         self.errors: list[str] = []
         self.done = 0
@@ -64,7 +65,10 @@ class _ReadAhead(threading.Thread):
                 try:
                     data = self.reader.read(item.name, chunk, item.offsets, item.sizes,
                                             framework=target.adapter.read_framework)
-                    target.adapter.copy(target.view(item.offsets, item.sizes), data)
+                    dest = self.staged.get(position)
+                    if dest is None:
+                        dest = target.view(item.offsets, item.sizes)
+                    target.adapter.copy(dest, data)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
                     self.errors.append(f"reading {item.name!r} box offsets={item.offsets} "
                                        f"sizes={item.sizes} from {chunk.file!r} failed: "
@@ -94,20 +98,32 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     position = 0
     from dcp_broadcast import BroadcastItem
 
+    # Destinations that cannot take a broadcast in place (a sub-box of a MindSpore tensor,
+    # which has no aliasing views) go through a staging tensor of the piece's size, copied
+    # into place once every broadcast has completed.
+    staged: list[tuple[Target, ReadItem, Any]] = []
+    staged_at: dict[int, Any] = {}
     for index, item in enumerate(plan.broadcasts):
         tensor = None
         if rank in item.ranks:
-            tensor = targets[item.name].view(item.offsets, item.sizes)
+            target = targets[item.name]
+            if target.adapter.views or (item.offsets == target.offsets and item.sizes == target.sizes):
+                tensor = target.view(item.offsets, item.sizes)
+            else:
+                tensor = platform.empty(item.sizes, platform.dtype_from_name(target.dtype))
+                staged.append((target, item, tensor))
         if item.reader == rank:
             event = threading.Event()
             events[position] = event
             by_item[index] = event
+            if staged and staged[-1][1] is item:
+                staged_at[position] = tensor
             position += 1
         items.append(BroadcastItem(src=item.reader, ranks=item.ranks, nbytes=item.nbytes, tensor=tensor))
     assert all(r.reader == rank for r in reads[:position])
 
     before = reader.bytes_read
-    thread = _ReadAhead(reader, reads, targets, events)
+    thread = _ReadAhead(reader, reads, targets, events, staged_at)
     thread.start()
     broadcasts = sent = received = 0
     t0 = time.perf_counter()
@@ -126,9 +142,9 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     finally:
         bcast_s = time.perf_counter() - t0
         thread.join()
-    platform_sync = getattr(platform, "synchronize", None)
-    if platform_sync is not None:
-        platform_sync()
+    platform.synchronize()
+    for target, item, tensor in staged:
+        target.adapter.copy(target.view(item.offsets, item.sizes), tensor)
     logger.debug("rank %d: read %d piece(s) in %.4f s on the read-ahead thread; %d broadcast(s) "
                  "in %.4f s", platform.rank(), thread.done, thread.seconds, broadcasts, bcast_s)
     return ExecuteStats(

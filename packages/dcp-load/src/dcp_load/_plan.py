@@ -29,7 +29,8 @@ __all__ = [
 
 #: ``Want`` flag: this rank's destination can take part in a broadcast (device supported).
 BROADCASTABLE = 1
-#: ``Want`` flag: this rank's framework can write a broadcast into a sub-box view in place.
+#: ``Want`` flag: this rank's framework can write a broadcast into a sub-box view in place
+#: (informational: destinations without views receive through a staging tensor).
 VIEWS = 2
 
 #: What a rank sends to the others, per tensor entry: (name, offsets, sizes, flags). Plain
@@ -162,9 +163,8 @@ def build_global_plan(
     ``tensors`` maps names to checkpoint tensor metadata (``.chunks`` with ``.offsets``,
     ``.sizes``, ``.file``; ``.itemsize``). Boxes several ranks want identically (same name,
     offsets and sizes after intersecting with the saved chunks) form a replica group when
-    ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE`` (and
-    ``VIEWS`` unless the box is its whole local tensor). Names missing from ``tensors`` are
-    skipped (validation reports them).
+    ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE``. Names
+    missing from ``tensors`` are skipped (validation reports them).
     """
     world = len(wants)
     boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
@@ -184,7 +184,7 @@ def build_global_plan(
                 if entry is None:
                     entry = pieces[pkey] = [chunk, math.prod(psz) * meta.itemsize, [], True]
                 entry[2].append(rank)
-                if not (flags & BROADCASTABLE and (flags & VIEWS or (poff == offsets and psz == sizes))):
+                if not flags & BROADCASTABLE:
                     entry[3] = False
     loads = [0] * world
     local: list[ReadItem] = []
