@@ -139,7 +139,10 @@ def write_hf_checkpoint(path: Path, spec: ModelSpec | SmallSpec, seed: int = 0) 
 
 def write_warmup_checkpoint(workdir: Path, spec: ModelSpec | SmallSpec) -> str:
     """The tiny checkpoint each rank loads before the measured load (see rank_load)."""
-    path = workdir / f"warmup-{type(spec).__name__.lower()}"
+    import hashlib
+
+    tag = hashlib.sha1(repr(spec).encode()).hexdigest()[:8]  # quick and full runs apart
+    path = workdir / f"warmup-{type(spec).__name__.lower()}-{tag}"
     write_hf_checkpoint(path, warmup_spec(spec), seed=1)
     return str(path)
 
@@ -605,6 +608,7 @@ def readahead_probe(path: Path, box: int = 4 * MiB) -> dict[str, Any]:
             os.close(fd)
 
     out: dict[str, Any] = {"box_bytes": box, "file": f.name, "read_ahead_kb": read_ahead_kb(f)}
+    out["loaders"] = loader_probe(path)
     for name, fn in (("mmap", lambda: via_mmap(None)),
                      ("mmap MADV_RANDOM", lambda: via_mmap(mmap.MADV_RANDOM)),
                      ("preadv", lambda: via_pread(None)),
@@ -613,4 +617,38 @@ def readahead_probe(path: Path, box: int = 4 * MiB) -> dict[str, Any]:
         before = read_bytes()
         fn()
         out[name] = read_bytes() - before
+    return out
+
+
+def loader_probe(path: Path) -> dict[str, Any]:
+    """Bytes each loader's reader fetches cold for one row-half (dim-0) box of one tensor.
+
+    The box is the first half of the rows of an MLP weight (what a TP2 rank of a
+    column-parallel weight holds): dcp_reader's ``read`` and
+    safetensors' ``get_slice`` (what torch DCP's HF reader calls), each copied out.
+    """
+    import torch  # noqa: F401 - imported before the cache is dropped
+    from dcp_reader import open_checkpoint
+    from safetensors import safe_open
+
+    with open_checkpoint(str(path)) as r:
+        # A layer's MLP weight when there is one (the typical size), else the largest matrix.
+        name, tm = max(r.metadata.tensors.items(),
+                       key=lambda kv: (".mlp." in kv[0], kv[1].nbytes if len(kv[1].shape) == 2 else 0))
+        chunk = tm.chunks[0]
+        sizes = (tm.shape[0] // 2, *tm.shape[1:])
+        nbytes = math.prod(sizes) * tm.itemsize
+        fname = chunk.file
+        r.read(name, chunk, (0,) * len(sizes), (1,) * len(sizes))  # open the file before timing
+    out: dict[str, Any] = {"tensor": name, "box_bytes": nbytes}
+    drop_page_cache()
+    with open_checkpoint(str(path)) as r:
+        before = read_bytes()
+        r.read(name, r.metadata.tensors[name].chunks[0], (0,) * len(sizes), sizes).clone()
+        out["dcp_reader"] = read_bytes() - before
+    drop_page_cache()
+    with safe_open(str(path / fname), framework="pt") as fh:
+        before = read_bytes()
+        fh.get_slice(name)[: sizes[0]].clone()
+        out["safetensors get_slice"] = read_bytes() - before
     return out

@@ -59,10 +59,15 @@ def model_spec(quick: bool) -> ModelSpec:
     return ModelSpec()
 
 
+def model_dir(args: Any) -> Path:
+    """Where the model checkpoint lives (quick and full sizes apart, so neither rewrites the other)."""
+    return Path(args.workdir) / ("hf-model-quick" if args.quick else "hf-model")
+
+
 def run(args: Any, log: Any) -> dict[str, Any]:
     spec = model_spec(args.quick)
     work = Path(args.workdir)
-    base = work / "hf-model"
+    base = model_dir(args)
     t = time.perf_counter()
     nbytes = write_hf_checkpoint(base, spec)
     log(f"replicated: checkpoint {base} {fmt_bytes(nbytes)} ready in {time.perf_counter() - t:.1f} s")
@@ -72,7 +77,7 @@ def run(args: Any, log: Any) -> dict[str, Any]:
     modes = args.modes
     max_nodes = max(LAYOUTS[lay][0] * LAYOUTS[lay][1] // _rpn(args, lay) for lay in layouts)
     warm_dir = write_warmup_checkpoint(work, spec)
-    copies = [base] + [work / f"hf-model-node{k}" for k in range(1, max_nodes)]
+    copies = [base] + [base.with_name(f"{base.name}-node{k}") for k in range(1, max_nodes)]
     if "cold" in modes:
         for c in copies[1:]:
             copy_checkpoint(base, c)
@@ -85,6 +90,9 @@ def run(args: Any, log: Any) -> dict[str, Any]:
             f"{fmt_bytes(probe['box_bytes'])} range costs " + ", ".join(
                 f"{k} {fmt_bytes(probe[k])}" for k in ("mmap", "mmap MADV_RANDOM", "preadv",
                                                        "preadv FADV_RANDOM")))
+        lp = probe["loaders"]
+        log(f"  loader probe: cold row-half of {lp['tensor']} ({fmt_bytes(lp['box_bytes'])}): dcp_reader "
+            f"fetched {fmt_bytes(lp['dcp_reader'])}, safetensors get_slice {fmt_bytes(lp['safetensors get_slice'])}")
     for rep in range(args.repeats):
         if "cold" in modes or "coldhost" in modes:
             d = measure_disk_bandwidth(base)
@@ -210,7 +218,11 @@ def tables(res: dict[str, Any]) -> list[str]:
             f"\n\nReadahead probe, same run: copying one cold {fmt_bytes(p['box_bytes'])} range out "
             f"of {p['file']} fetched " + ", ".join(f"{fmt_bytes(p[k])} through {k}" for k in (
                 "mmap", "mmap MADV_RANDOM", "preadv", "preadv FADV_RANDOM"))
-            + f" (block device read_ahead_kb = {p['read_ahead_kb']}).")
+            + f" (block device read_ahead_kb = {p['read_ahead_kb']}). The loaders' readers, same run: "
+            f"the first half of the rows of {p['loaders']['tensor']} "
+            f"({fmt_bytes(p['loaders']['box_bytes'])}, cold) fetched {fmt_bytes(p['loaders']['dcp_reader'])} "
+            f"through dcp_reader.read and {fmt_bytes(p['loaders']['safetensors get_slice'])} through "
+            "safetensors get_slice (torch DCP's HF reader).")
         out.append("### 1b. Per-rank bytes fetched from storage (MiB, median over repeats), cold\n\n"
                    f"Raw disk bandwidth, cold sequential 16 MiB reads of the files, median: "
                    f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.{probe}\n\n" + table(

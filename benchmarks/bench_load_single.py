@@ -13,7 +13,7 @@ from typing import Any
 
 from _bench_common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint
 from _bench_stats import fmt_bytes, median, summarise, table
-from bench_load_replicated import model_spec
+from bench_load_replicated import model_dir, model_spec
 
 METHODS = {"dcp": "dcp (no_dist)", "safetensors": "safetensors load_file + copy",
            "torch": "torch DCP HF reader (no_dist)"}
@@ -21,7 +21,7 @@ METHODS = {"dcp": "dcp (no_dist)", "safetensors": "safetensors load_file + copy"
 
 def run(args: Any, log: Any) -> dict[str, Any]:
     spec = model_spec(args.quick)
-    path = Path(args.workdir) / "hf-model"  # the same files as the replicated scenario
+    path = model_dir(args)  # the same files as the replicated scenario
     nbytes = write_hf_checkpoint(path, spec)
     warm_dir = write_warmup_checkpoint(Path(args.workdir), spec)
     runs = []
