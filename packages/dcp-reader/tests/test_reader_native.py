@@ -94,6 +94,12 @@ def test_round_trip_torch(tmp_path):
             assert torch.equal(out.reshape(-1).view(torch.uint8), full[name].reshape(-1).view(torch.uint8)), name
         assert r.read_value("step") == 3 and r.read_value("cfg") == {"lr": 0.5, "names": ["a"]}
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    # the data files are standard safetensors: safetensors itself reads them
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "rank-1.safetensors"))
+    assert torch.equal(sd[chunk_key("cols", (0, 6))], full["cols"][:, 6:8])
+    assert torch.equal(sd[chunk_key("mask", (0,))], full["mask"])
 
 
 def test_narrowed_read_and_bytes_read(tmp_path):
