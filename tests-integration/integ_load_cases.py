@@ -29,9 +29,13 @@ SPECS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "layers.0.norm": (16,), "layers.1.attn.wq": (16, 16), "layers.1.mlp.w1": (24, 16),
     "odd.w": (7, 5), "ints": (6, 4), "half": (8, 8), "f8": (8, 4), "scalar": (),
 }
+# Only in its own checkpoint (32 MiB): big enough for the planner to split it into slabs.
+BIG = {"big.lm_head": ((8192, 1024), torch.float32)}
 DTYPES = {"half": torch.bfloat16, "ints": torch.int64, "f8": torch.float8_e4m3fn,
           "layers.0.attn.wq": torch.float16}
 SPECS = {k: (v, DTYPES.get(k, torch.float32)) for k, v in SPECS.items()}  # type: ignore[misc]
+NAMES = list(SPECS)
+SPECS.update(BIG)  # type: ignore[arg-type]
 
 
 def full(name: str) -> torch.Tensor:
@@ -249,6 +253,13 @@ def mesh4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     for batch in (0, 4096, 6 * 1024 * 1024):
         run_case(results, f"batch_{batch}", lambda e, b=batch: load_and_check(
             _mesh_state(mesh, [R, S(0)]), e, f"batch {b}", checkpoint_id=ckpts["hf"], broadcast_batch_bytes=b))
+    def big_split(errors: list[str]) -> Any:
+        state = {"big.lm_head": dtensor("big.lm_head", mesh, [R, R])}
+        r = dcp_load.load(state, checkpoint_id=ckpts["big"])
+        check(state, errors, "big")
+        return report(r)
+
+    run_case(results, "big_split", big_split)
     run_case(results, "every_rank_reads", lambda e: load_and_check(
         _mesh_state(mesh, [R, S(1)]), e, "no broadcast", checkpoint_id=ckpts["hf"],
         broadcast_replicated_tensors=False))

@@ -38,10 +38,11 @@ def _grid(parts: int, dim: int):
 def build_checkpoints(root: Path) -> dict[str, str]:
     import dcp_load
 
-    names = list(cases.SPECS)
-    out = {k: str(root / k) for k in ("hf", "native_grid", "tp4", "uneven", "values", "missing_key",
+    names = cases.NAMES
+    out = {k: str(root / k) for k in ("big", "hf", "native_grid", "tp4", "uneven", "values", "missing_key",
                                        "wrong_shape", "missing_file", "truncated", "scratch")}
     cases.write_hf(out["hf"], names)
+    cases.write_hf(out["big"], list(cases.BIG))
     cases.write_native(out["native_grid"], names, lambda n: (2, 3, 1)[: len(cases.SPECS[n][0])])
     cases.write_native(out["tp4"], names, _grid(4, 1))
     cases.write_native(out["uneven"], names, _grid(3, 0))
@@ -97,6 +98,12 @@ def test_meshes_read_every_byte_once(results, placements, src):
         assert set(r["seconds"]) >= {"prepare", "plan", "validate", "execute", "total"}
     if placements == "RR":  # four replicas of everything: each rank reads about a quarter
         assert all(r["broadcasts"] > 0 and r["bytes_received"] > 0 for r in reports)
+
+
+def test_a_large_replicated_tensor_is_read_in_slabs_by_several_ranks(results):
+    reports = _case(results, "big_split")
+    _read_once(reports, 8192 * 1024 * 4)
+    assert sorted(r["bytes_read"] for r in reports) == [0, 0, 16 * 2**20, 16 * 2**20]
 
 
 @pytest.mark.parametrize("batch", [0, 4096, 6 * 1024 * 1024])

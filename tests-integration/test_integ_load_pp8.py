@@ -21,7 +21,7 @@ cases.preload_dtensor()
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     root = tmp_path_factory.mktemp("pp8")
-    names = list(cases.SPECS)
+    names = cases.NAMES
     ckpts = {"hf": str(root / "hf"), "tp4": str(root / "tp4")}
     cases.write_hf(ckpts["hf"], names)
     cases.write_native(ckpts["tp4"], names, lambda n: (1, 4)[: len(cases.SPECS[n][0])] if len(cases.SPECS[n][0]) == 2

@@ -90,6 +90,18 @@ def test_dp2_tp2_from_tp4_groups_per_tp_rank() -> None:
     assert plan.loads == (64, 64, 64, 64)
 
 
+def test_large_replicated_pieces_are_split_across_members() -> None:
+    tensors = {"emb": T((10, 8), (C((0, 0), (10, 8)),)), "small": T((2,), (C((0,), (2,)),))}
+    wants = [[("emb", (0, 0), (10, 8), BOTH), ("small", (0,), (2,), BOTH)]] * 3
+    plan = build_global_plan(tensors, wants, split_bytes=64)  # 320 bytes -> 3 slabs (4, 3, 3 rows)
+    slabs = sorted((i.offsets, i.sizes, i.reader) for i in plan.broadcasts if i.name == "emb")
+    assert [(o, s) for o, s, _ in slabs] == [((0, 0), (4, 8)), ((4, 0), (3, 8)), ((7, 0), (3, 8))]
+    assert sorted(r for _, _, r in slabs) == [0, 1, 2]
+    assert plan.unique_bytes == 320 + 8
+    unsplit = build_global_plan(tensors, wants, split_bytes=0)
+    assert len(unsplit.broadcasts) == 2 and max(unsplit.loads) == 320
+
+
 def test_local_bytes_count_before_assignment() -> None:
     tensors = {"big": T((100,), (C((0,), (100,)),)), "rep": T((10,), (C((0,), (10,)),))}
     wants = [[("big", (0,), (100,), BOTH), ("rep", (0,), (10,), BOTH)], [("rep", (0,), (10,), BOTH)]]

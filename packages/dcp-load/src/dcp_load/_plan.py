@@ -33,6 +33,13 @@ BROADCASTABLE = 1
 #: (informational: destinations without views receive through a staging tensor).
 VIEWS = 2
 
+#: Replicated pieces of at least twice this size are split into row slabs (at least this
+#: big, at most one per member) read by different members, so that one huge tensor (an
+#: embedding, an lm_head) does not make its reader the slowest rank. 16 MiB keeps the fixed
+#: costs per slab small: ~10 us per narrowed read (dcp-reader), ~145 us per broadcast on
+#: Ascend against ~0.5 ms to move 16 MiB at 33 GiB/s (FACTS.md).
+SPLIT_BYTES = 16 * 1024 * 1024
+
 #: What a rank sends to the others, per tensor entry: (name, offsets, sizes, flags). Plain
 #: tuples pickle small: the all-gather carries a few dozen bytes per entry, never tensors.
 Want = tuple[str, tuple[int, ...], tuple[int, ...], int]
@@ -151,19 +158,39 @@ class GlobalPlan:
         return own
 
 
+def _split(item: ReadItem, split_bytes: int) -> list[ReadItem]:
+    """``item`` cut along dim 0 into slabs of at least ``split_bytes``, one per member at most."""
+    if split_bytes <= 0 or not item.sizes or item.sizes[0] < 2:
+        return [item]
+    parts = min(len(item.ranks), item.sizes[0], item.nbytes // split_bytes)
+    if parts < 2:
+        return [item]
+    row_bytes = item.nbytes // item.sizes[0]
+    base, extra = divmod(item.sizes[0], parts)
+    out, start = [], item.offsets[0]
+    for k in range(parts):
+        rows = base + (1 if k < extra else 0)
+        out.append(ReadItem(item.name, item.chunk, (start, *item.offsets[1:]), (rows, *item.sizes[1:]),
+                            rows * row_bytes, item.ranks))
+        start += rows
+    return out
+
+
 def build_global_plan(
     tensors: Mapping[str, Any],
     wants: Sequence[Sequence[Want]],
     *,
     broadcast: bool = True,
     planner: Planner | None = None,
+    split_bytes: int = SPLIT_BYTES,
 ) -> GlobalPlan:
     """The plan every rank derives from the gathered ``wants`` (index = rank).
 
     ``tensors`` maps names to checkpoint tensor metadata (``.chunks`` with ``.offsets``,
     ``.sizes``, ``.file``; ``.itemsize``). Boxes several ranks want identically (same name,
     offsets and sizes after intersecting with the saved chunks) form a replica group when
-    ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE``. Names
+    ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE``; such
+    boxes of at least ``2 * split_bytes`` are split into row slabs (0: never). Names
     missing from ``tensors`` are skipped (validation reports them).
     """
     world = len(wants)
@@ -192,7 +219,7 @@ def build_global_plan(
     for (name, poff, psz), (chunk, nbytes, ranks, ok) in pieces.items():
         item = ReadItem(name, chunk, poff, psz, nbytes, tuple(ranks))
         if broadcast and ok and len(ranks) > 1:
-            groups.append(item)
+            groups.extend(_split(item, split_bytes))
         else:
             local.append(item)
             for r in ranks:
