@@ -114,4 +114,4 @@ def goals(results: dict[str, Any]) -> list[str]:
                          f"{bound:.1f} (ceil {math.ceil(replicated / sbatch)} + 1)"])
     if not rows:
         return []
-    return ["### Goals\n\n" + table(["goal", "result", "measured"], rows)]
+    return ["## Goals\n\n" + table(["goal", "result", "measured"], rows)]

@@ -8,8 +8,9 @@ Scenarios: replicated (1a warm, 1b simulated multi-node cold, 1c cold on one hos
 peak memory, sampled in the same runs), small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
 plan (5: the global plan for 1024 and 4096 simulated ranks, no processes).
 
-Results go to bench-results/<UTC time>.json (and bench-results/latest.json), tables are
-printed and written to bench-results/<UTC time>.md, plots to benchmarks/plots/*.png.
+Results go to bench-results/<UTC time>.json (and bench-results/latest.json); the report
+(the text of BENCHMARKS.md, every number computed from the results) is printed and written
+to bench-results/<UTC time>.md; plots go to benchmarks/plots/*.png.
 Checkpoints are written under --workdir and deleted at the end unless --keep is given.
 """
 
@@ -54,7 +55,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2",
                     help=f"replicated layouts: {','.join(bench_load_replicated.LAYOUTS)}")
-    ap.add_argument("--modes", default="warm,coldhost,cold",
+    ap.add_argument("--modes", default="warm,cold,coldhost",
                     help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
                          "cold (simulated nodes, a copy each, cache dropped)")
     ap.add_argument("--methods", default="dcp,dcp-64k,dcp-reread,torch",
@@ -158,16 +159,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(args.workdir, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - start
     results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
-    text = [f"# dcp load benchmarks {stamp}\n\n`python benchmarks/run_all.py {' '.join(sys.argv[1:])}`"
-            f" (total {results['elapsed_s']:.0f} s)"]
-    for name in args.scenarios:
-        text += SCENARIOS[name].tables(results[name])
-    import _bench_goals
+    import _bench_report
 
-    text += _bench_goals.goals(results)
-    md = "\n\n".join(text) + "\n"
+    md = _bench_report.render(results)
     print("\n" + md)
-    (out_dir / f"{stamp}.md").write_text(md)
+    (out_dir / f"{stamp}.md").write_text(md)  # the BENCHMARKS.md text for this run
     _write(out_dir, stamp, results)
     if args.plots:
         try:
