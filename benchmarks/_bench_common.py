@@ -178,16 +178,24 @@ def warm_files(path: Path) -> None:
 # measurement
 # ---------------------------------------------------------------------------------------
 
-def drop_page_cache() -> str:
-    """Empty the page cache; returns the method used.
+def drop_page_cache(dirs: list[str] | list[Path] | tuple[str, ...] = ()) -> str:
+    """Evict the checkpoint files from the page cache; returns the method used.
 
-    As root: ``sync; echo 3 > /proc/sys/vm/drop_caches`` (checked to work on this machine).
-    Without that permission the caller must evict the files itself (``fadvise_dontneed``).
+    As root: ``sync; echo 3 > /proc/sys/vm/drop_caches`` (works on this machine). Where
+    that is not permitted: ``posix_fadvise(POSIX_FADV_DONTNEED)`` on every file of ``dirs``
+    (evicts those files' clean pages; other files stay cached).
     """
     os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-    return "drop_caches"
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        if not dirs:
+            raise
+    for d in dirs:
+        fadvise_dontneed(checkpoint_files(Path(d)))
+    return "fadvise_dontneed"
 
 
 def fadvise_dontneed(paths: list[Path]) -> None:
@@ -200,6 +208,7 @@ def fadvise_dontneed(paths: list[Path]) -> None:
 
 
 def can_drop_caches() -> bool:
+    """Whether /proc/sys/vm/drop_caches is writable here (else cold runs use fadvise)."""
     try:
         drop_page_cache()
         return True
@@ -521,7 +530,7 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     drop = None
     if run.cold:
         if rank == 0:
-            drop = drop_page_cache()
+            drop = drop_page_cache(run.ckpt_dirs)
         if distributed:
             dist.barrier()
     counter = CollectiveCounter()
@@ -554,7 +563,7 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
 def measure_disk_bandwidth(path: Path) -> dict[str, float]:
     """Cold sequential read of every file of ``path`` (page cache dropped first)."""
     files = checkpoint_files(path)
-    method = drop_page_cache()
+    method = drop_page_cache([path])
     buf = bytearray(16 * MiB)
     io0 = read_bytes()
     t0 = now()
@@ -613,7 +622,7 @@ def readahead_probe(path: Path, box: int = 4 * MiB) -> dict[str, Any]:
                      ("mmap MADV_RANDOM", lambda: via_mmap(mmap.MADV_RANDOM)),
                      ("preadv", lambda: via_pread(None)),
                      ("preadv FADV_RANDOM", lambda: via_pread(os.POSIX_FADV_RANDOM))):
-        drop_page_cache()
+        drop_page_cache([path])
         before = read_bytes()
         fn()
         out[name] = read_bytes() - before
@@ -641,12 +650,12 @@ def loader_probe(path: Path) -> dict[str, Any]:
         fname = chunk.file
         r.read(name, chunk, (0,) * len(sizes), (1,) * len(sizes))  # open the file before timing
     out: dict[str, Any] = {"tensor": name, "box_bytes": nbytes}
-    drop_page_cache()
+    drop_page_cache([path])
     with open_checkpoint(str(path)) as r:
         before = read_bytes()
         r.read(name, r.metadata.tensors[name].chunks[0], (0,) * len(sizes), sizes).clone()
         out["dcp_reader"] = read_bytes() - before
-    drop_page_cache()
+    drop_page_cache([path])
     with safe_open(str(path / fname), framework="pt") as fh:
         before = read_bytes()
         fh.get_slice(name)[: sizes[0]].clone()

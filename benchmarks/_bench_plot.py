@@ -51,6 +51,16 @@ def _bars(ax: Any, rep: dict[str, Any], mode: str, key: str, scale: float) -> No
     ax.grid(axis="y", alpha=0.3)
 
 
+def _legend(fig: Any, axes: Any) -> None:
+    """One legend for the figure, below the panels (the panels hold different methods)."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(lab, h)
+    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 3), fontsize=8,
+               frameon=False)
+
+
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
@@ -60,7 +70,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         titles = {"warm": "warm page cache, one host", "coldhost": "cold, one host (one copy)",
                   "cold": "cold, simulated nodes (a copy each)"}
         gib = rep["unique_bytes"] / 2**30
-        fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4.4), squeeze=False)
+        fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 5.0), squeeze=False)
         for ax, mode in zip(axes[0], modes, strict=True):
             _bars(ax, rep, mode, "wall_s", 1.0)
             ax.set_title(f"{titles[mode]}")
@@ -70,12 +80,10 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             ax = axes[0][modes.index("cold")]
             ax.axhline(rep["unique_bytes"] / bw * 1.2, color="k", ls="--", lw=1,
                        label="goal: 1.2 x unique bytes / disk bandwidth")
-        axes[0][0].legend(fontsize=8, loc="upper left")
-        if "cold" in modes and modes.index("cold"):
-            axes[0][modes.index("cold")].legend(fontsize=8, loc="upper left")
+        _legend(fig, axes[0])
         fig.suptitle(f"Loading a {gib:.2f} GiB HF checkpoint on gloo ranks: time "
                      f"(median of {len({r['repeat'] for r in rep['runs']})} runs)", fontsize=11)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
         p = out / "load_time_vs_ranks.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
@@ -83,15 +91,15 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
 
         # Warm runs fetch nothing from storage: only the cold modes are worth a panel.
         bmodes = [m for m in modes if m != "warm"] or modes
-        fig, axes = plt.subplots(1, len(bmodes), figsize=(5.5 * len(bmodes), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(bmodes), figsize=(5.5 * len(bmodes), 4.8), squeeze=False)
         for ax, mode in zip(axes[0], bmodes, strict=True):
             _bars(ax, rep, mode, "read_bytes_total", 2**30)
             ax.axhline(gib, color="k", ls="--", lw=1, label="unique bytes (checkpoint)")
             ax.set_title(titles[mode])
             ax.set_ylabel("GiB fetched from storage, all ranks\n(/proc/self/io read_bytes)")
-        axes[0][-1].legend(fontsize=8, loc="upper left")
+        _legend(fig, axes[0])
         fig.suptitle("Bytes read from storage against the number of ranks", fontsize=11)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
         p = out / "bytes_read_vs_ranks.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

@@ -116,6 +116,15 @@ def _machine(res: dict[str, Any]) -> str:
         f"{m['safetensors']}, dcp-load {m['dcp_load']} (git {m['git']}).",
         f"- Whole run: {res['elapsed_s'] / 60:.1f} min.",
     ]
+    drops: dict[str, int] = {}
+    for name in ("replicated", "single"):
+        for r in (res.get(name) or {}).get("runs", []):
+            for p in r["per_rank"]:
+                if p.get("drop"):
+                    drops[p["drop"]] = drops.get(p["drop"], 0) + 1
+    if drops:
+        lines.append("- Page cache emptied before cold loads by: "
+                     + ", ".join(f"`{k}` ({v} loads)" for k, v in drops.items()) + ".")
     return "\n".join(lines)
 
 
