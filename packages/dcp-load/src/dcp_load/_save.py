@@ -56,7 +56,6 @@ def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadIte
     """(tensor metadata by name, items each rank writes, errors by offending rank) from
     every rank's holdings (the same on every rank)."""
     from dcp_reader import ChunkMeta, TensorMeta, chunk_key
-    from dcp_reader._dtypes import itemsize
 
     errors: dict[int, list[str]] = {}
     info: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -70,8 +69,8 @@ def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadIte
                     "every rank must agree on a tensor's global shape and dtype")
                 continue
             boxes.setdefault((name, offsets, sizes), []).append(rank)
-    items = [ReadItem(n, 0, o, s, max(1, _numel(s)) * itemsize(info[n][1]), tuple(r))
-             for (n, o, s), r in boxes.items()]
+    itemsize = {n: TensorMeta(n, shape, dtype, ()).itemsize for n, (shape, dtype) in info.items()}
+    items = [ReadItem(n, 0, o, s, _numel(s) * itemsize[n], tuple(r)) for (n, o, s), r in boxes.items()]
     items.sort(key=lambda i: (-i.nbytes, i.name, i.offsets))
     writers = GreedyPlanner().assign(items, [0] * len(gathered))
     per_rank: dict[int, list[ReadItem]] = {}
