@@ -56,8 +56,7 @@ def _pytest(session: nox.Session, marker: str) -> None:
     tests = [str(p) for p in sorted((ROOT / "packages").glob("*/tests"))]
     tests.append(str(ROOT / "tests-integration"))
     # pytest exits 5 when nothing was collected; nox treats that as a failure, on purpose.
-    session.run("pytest", "-m", marker, *tests, *session.posargs,
-                env={"PYTHONDONTWRITEBYTECODE": "1"})
+    session.run("pytest", "-m", marker, *tests, *session.posargs)
 
 
 @nox.session(name="tests-torch", python=PYTHON)

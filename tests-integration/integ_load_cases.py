@@ -60,14 +60,6 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def preload_dtensor() -> None:
-    """Fork ranks with DTensor's lazy import of torch._dynamo done (~10 s per rank here,
-    where no bytecode caches are kept); see dcp_load.demo._preload_dtensor."""
-    from dcp_load.demo import _preload_dtensor
-
-    _preload_dtensor()
-
-
 # -- checkpoint builders (run in the test process) --------------------------------------------
 def _splits(n: int, parts: int) -> list[tuple[int, int]]:
     """(offset, size) of torch.tensor_split's ``parts`` pieces of ``n`` (uneven allowed)."""

@@ -13,10 +13,6 @@ from dcp_platform.testing import run_ranks
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_load_cases as cases  # noqa: E402
 
-# At collection, before any test starts the ranks' forkserver: ranks then start with
-# DTensor's imports done instead of compiling torch._dynamo each (~10 s per rank here).
-cases.preload_dtensor()
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:

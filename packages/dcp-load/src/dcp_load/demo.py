@@ -131,23 +131,6 @@ def _rank_main(rank: int, world: int, path: str, batch_bytes: int) -> dict[str, 
     return out
 
 
-def _preload_dtensor() -> None:
-    """Start the rank processes with DTensor's lazy imports already done.
-
-    DTensor imports ``torch._dynamo`` on first use, which took ~10 s per rank here: the
-    environment keeps no bytecode caches (PYTHONDONTWRITEBYTECODE, installs without
-    compiled bytecode), so each rank compiled it from source. Importing it once in the
-    forkserver that ``run_ranks`` forks ranks from saves that in every rank.
-    """
-    import multiprocessing as mp
-
-    from dcp_platform import testing
-
-    testing._context()  # creates run_ranks' forkserver context, which sets its preload list once
-    mp.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo"])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
@@ -169,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         del state
         print(f"checkpoint: {len(specs)} tensors, {saved.job_bytes / MB:.1f} MB (bfloat16, float16, float32, "
               f"float8_e4m3fn, int64, uint8), written to {path} in {time.perf_counter() - t0:.1f} s")
-        _preload_dtensor()
         print("loading on 4 gloo ranks as DP2 x TP2 DTensors (targets poisoned with 0x7F bytes), "
               f"broadcast_batch_bytes={args.batch_bytes}")
         t0 = time.perf_counter()

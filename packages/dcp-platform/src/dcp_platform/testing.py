@@ -35,6 +35,12 @@ __all__ = ["RanksFailed", "run_mindspore_workers", "run_ranks"]
 
 _CTX: Any = None
 
+#: Imported once in the forkserver, so every rank forked from it starts with them done.
+#: DTensor's first use imports torch._dynamo, measured at ~10 s per rank here when each
+#: rank imported it itself; torch.distributed.checkpoint is what compatibility tests load.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+           "torch.distributed.checkpoint")
+
 
 class RanksFailed(RuntimeError):
     """One or more ranks raised, exited or timed out; ``failures`` maps rank to cause."""
@@ -51,7 +57,7 @@ def _context() -> Any:
     global _CTX  # the forkserver is per process by nature; this only memoises the context
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(list(PRELOAD))
         _CTX = ctx
     return _CTX
 
