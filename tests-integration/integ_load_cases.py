@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+HOST_ID_ENV = "DCP_HOST_ID"  # dcp_load's host override for the "auto" broadcast mode
+
 POISON_INT = -123
 
 # name -> (shape, dtype): a mix of sizes and dtypes, uneven shapes and a 0-dim scalar.
@@ -231,6 +233,9 @@ def mesh4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     R, S = Replicate(), Shard
     results: dict[str, Any] = {}
+    # Each rank a node of its own, as on a multi-node job: the default "auto" mode then
+    # broadcasts every replicated box (the auto cases at the end change this).
+    os.environ[HOST_ID_ENV] = f"node{rank}"
 
     def load_and_check(state: dict[str, Any], errors: list[str], where: str, **kw: Any) -> dict[str, Any]:
         r = dcp_load.load(state, **kw)
@@ -451,6 +456,15 @@ def mesh4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
 
     run_case(results, "torch_dcp_default", lambda e: torch_compat(e, "default"))
     run_case(results, "torch_dcp_hf", lambda e: torch_compat(e, "hf"))
+
+    # "auto": replicas on one host re-read from the shared page cache, across hosts they
+    # receive a broadcast; an explicit True broadcasts whatever the hosts.
+    for label, host in (("one_host", "host"), ("two_nodes", f"node{rank // 2}")):
+        os.environ[HOST_ID_ENV] = host
+        for mode in ("auto", True):
+            run_case(results, f"auto_{label}_{mode}", lambda e, m=mode, k=label: load_and_check(
+                _mesh_state(mesh, [R, R]), e, f"{k} {m}", checkpoint_id=ckpts["hf"],
+                broadcast_replicated_tensors=m))
     return results
 
 
@@ -475,6 +489,7 @@ def pp8_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
+    os.environ[HOST_ID_ENV] = f"node{rank}"  # one node per rank: "auto" broadcasts
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     stage = mesh.get_local_rank("pp")
     sub = mesh["dp", "tp"]

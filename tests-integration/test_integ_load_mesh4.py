@@ -192,3 +192,18 @@ def test_read_failure_mid_run_raises_everywhere_without_hanging(results):
         assert o["phase"] == "execute" and o["failures"] == [1], o
         assert "injected read failure" in o["message"]
         assert o["threads_leaked"] == 0
+
+
+def test_auto_rereads_on_one_host_and_broadcasts_across_hosts(results):
+    unique = _mesh_bytes()
+    # One host: the four replicas share a page cache, so each reads for itself.
+    reports = _case(results, "auto_one_host_auto")
+    assert all(r["broadcasts"] == 0 and r["bytes_received"] == 0 for r in reports)
+    assert all(r["bytes_read"] == r["bytes_needed"] == unique for r in reports)
+    # An explicit True still reads once and broadcasts, whatever the hosts.
+    _read_once(_case(results, "auto_one_host_True"), unique)
+    _read_once(_case(results, "auto_two_nodes_True"), unique)
+    # Two nodes of two ranks: every [R, R] box spans both nodes, so it is read once.
+    reports = _case(results, "auto_two_nodes_auto")
+    _read_once(reports, unique)
+    assert all(r["broadcasts"] > 0 for r in reports)

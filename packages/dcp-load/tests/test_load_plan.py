@@ -66,6 +66,20 @@ def test_no_broadcast_means_every_rank_reads() -> None:
     assert len(plan.reads_for(2)) == 2
 
 
+def test_hosts_keep_one_host_replicas_local_and_broadcast_across_hosts() -> None:
+    tensors = {"w": rows((8, 4), 2)}
+    # ranks 0,1 want rows 0-3 (both on host a); ranks 2,3 want rows 4-7 (hosts a and b)
+    wants = [[("w", (0, 0), (4, 4), BOTH)]] * 2 + [[("w", (4, 0), (4, 4), BOTH)]] * 2
+    plan = build_global_plan(tensors, wants, hosts=["a", "a", "a", "b"])
+    assert [(i.offsets, i.ranks) for i in plan.local] == [((0, 0), (0, 1))]
+    assert [(i.offsets, i.ranks) for i in plan.broadcasts] == [((4, 0), (2, 3))]
+    assert plan.loads == (64, 64, 64, 0)
+    # without hosts, both boxes are read once and broadcast
+    assert len(build_global_plan(tensors, wants).broadcasts) == 2
+    with pytest.raises(ValueError, match="3 hosts for 4 ranks"):
+        build_global_plan(tensors, wants, hosts=["a", "a", "b"])
+
+
 def test_flags_decide_from_gathered_data() -> None:
     tensors = {"w": rows((8, 4), 2)}
     # rank 1's destination cannot take broadcasts: nobody broadcasts the box to it.

@@ -137,6 +137,8 @@ def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
      "drop broadcast_groups or set broadcast_replicated_tensors=True"),
     ({"checkpoint_id": "x", "broadcast_groups": {}, "no_dist": True}, "has no effect with no_dist"),
     ({"checkpoint_id": "x", "broadcast_batch_bytes": -1}, "broadcast_batch_bytes must be an int >= 0"),
+    ({"checkpoint_id": "x", "broadcast_replicated_tensors": "always"}, "must be True, False or 'auto'"),
+    ({"checkpoint_id": "x", "broadcast_replicated_tensors": 1}, "must be True, False or 'auto'"),
 ])
 def test_argument_errors_say_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):

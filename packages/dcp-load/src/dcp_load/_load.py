@@ -10,6 +10,7 @@ from typing import Any
 
 from ._errors import LoadError
 from ._execute import execute
+from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
@@ -22,9 +23,18 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
 
+#: ``broadcast_replicated_tensors`` mode: broadcast a replicated box only when its ranks
+#: span hosts; ranks of one host each read it, since they share one page cache. On one
+#: 2-core host with 4 gloo ranks, re-reading from the page cache beat broadcasting over
+#: loopback gloo (BENCHMARKS.md, "broadcast or re-read on one host").
+AUTO = "auto"
 
-def _check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: bool, groups: Any,
+
+def _check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: Any, groups: Any,
                      batch_bytes: Any, no_dist: bool, use_collectives: bool) -> None:
+    if not (isinstance(broadcast, bool) or broadcast == AUTO):
+        raise ValueError(f"load: broadcast_replicated_tensors must be True, False or {AUTO!r}, "
+                         f"got {broadcast!r}")
     if checkpoint_id is None and storage_reader is None:
         raise ValueError("load: give checkpoint_id= (the checkpoint directory or file) or "
                          "storage_reader= (an open dcp_reader.CheckpointReader)")
@@ -94,7 +104,7 @@ def load(
     planner: Planner | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
-    broadcast_replicated_tensors: bool = True,
+    broadcast_replicated_tensors: bool | str = AUTO,
     broadcast_groups: Any = None,
     broadcast_batch_bytes: int = DEFAULT_BATCH_BYTES,
     strict: bool = True,
@@ -107,8 +117,10 @@ def load(
     ``storage_reader``: an open ``dcp_reader.CheckpointReader`` (left open). ``planner``:
     chooses the reader of each replicated box (default: ``GreedyPlanner``). ``no_dist`` or
     ``use_collectives=False``: no collective at all, every rank reads what it holds.
-    ``broadcast_replicated_tensors``: boxes several ranks hold are read once and broadcast
-    (``broadcast_groups``: a ``dcp_broadcast.GroupManager`` or a mapping from rank tuples to
+    ``broadcast_replicated_tensors``: ``True``: boxes several ranks hold are read once and
+    broadcast; ``"auto"`` (default): the same, except boxes whose ranks all run on one host
+    (``_hosts.host_id``; ``$DCP_HOST_ID`` overrides it), which each of them reads from the
+    shared page cache; ``False``: every rank reads what it holds (``broadcast_groups``: a ``dcp_broadcast.GroupManager`` or a mapping from rank tuples to
     groups to reuse; ``broadcast_batch_bytes``: boxes below it are packed, 0 disables).
     ``strict=False`` skips entries the checkpoint lacks (listed in the report).
     ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
@@ -128,7 +140,7 @@ def load(
     platform = resolve_platform(platform, leaves)
     rank = platform.rank()
     collective = not no_dist and use_collectives and platform.is_distributed()
-    broadcast = collective and broadcast_replicated_tensors
+    broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(rank)
 
     reader, owned = storage_reader, False
@@ -158,18 +170,21 @@ def load(
             errors.append(f"{type(exc).__name__}: {exc}")
         # The settings that shape the collectives travel with the wants: ranks that differ
         # would walk different broadcast schedules and hang, so they fail together instead.
-        settings = (broadcast, broadcast_batch_bytes)
-        gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings))
-        differing = sorted({s for _, s in gathered_all})
+        settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
+        host = host_id() if broadcast_replicated_tensors == AUTO else None
+        gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings, host))
+        differing = sorted({s for _, s, _ in gathered_all}, key=repr)
         if len(differing) > 1:
             per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
-                        for r, (_, s) in enumerate(gathered_all)}
+                        for r, (_, s, _) in enumerate(gathered_all)}
             raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
                              for r, c in per_rank.items()}, "validate")
-        gathered = [w for w, _ in gathered_all]
+        gathered = [w for w, _, _ in gathered_all]
+        hosts = [h for _, _, h in gathered_all] if host is not None else None
         phases.end("prepare")
 
-        plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner)
+        plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
+                                 hosts=hosts)
         me = rank if collective else 0
         reads = plan.reads_for(me)
         phases.end("plan")

@@ -183,6 +183,7 @@ def build_global_plan(
     broadcast: bool = True,
     planner: Planner | None = None,
     split_bytes: int = SPLIT_BYTES,
+    hosts: Sequence[str] | None = None,
 ) -> GlobalPlan:
     """The plan every rank derives from the gathered ``wants`` (index = rank).
 
@@ -192,8 +193,14 @@ def build_global_plan(
     ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE``; such
     boxes of at least ``2 * split_bytes`` are split into row slabs (0: never). Names
     missing from ``tensors`` are skipped (validation reports them).
+
+    ``hosts`` (index = rank): when given, a box wanted only by ranks of one host is read
+    by each of them from storage instead of broadcast, since they share one page cache
+    (the ``"auto"`` mode of ``load``). Boxes whose ranks span hosts are broadcast.
     """
     world = len(wants)
+    if hosts is not None and len(hosts) != world:
+        raise ValueError(f"build_global_plan: {len(hosts)} hosts for {world} ranks")
     boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
     pieces: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
     for rank, rank_wants in enumerate(wants):
@@ -218,7 +225,8 @@ def build_global_plan(
     groups: list[ReadItem] = []
     for (name, poff, psz), (chunk, nbytes, ranks, ok) in pieces.items():
         item = ReadItem(name, chunk, poff, psz, nbytes, tuple(ranks))
-        if broadcast and ok and len(ranks) > 1:
+        one_host = hosts is not None and len({hosts[r] for r in ranks}) == 1
+        if broadcast and ok and len(ranks) > 1 and not one_host:
             groups.extend(_split(item, split_bytes))
         else:
             local.append(item)
