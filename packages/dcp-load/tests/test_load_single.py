@@ -161,14 +161,45 @@ def test_storage_reader_is_left_open(native):
     _assert_same(state, _state())
 
 
-def test_save_rejects_non_json_values_without_pickle(tmp_path):
+class Schedule:  # a value JSON cannot hold (module level, so that pickle can)
+    def __eq__(self, other):
+        return isinstance(other, Schedule)
+
+
+def test_save_rejects_values_json_cannot_hold_without_pickle(tmp_path):
     with pytest.raises(LoadError, match="allow_pickle=True"):
-        dcp_load.save({"w": torch.zeros(2), "betas": (0.9, 0.99)}, checkpoint_id=tmp_path / "c")
+        dcp_load.save({"w": torch.zeros(2), "sched": Schedule()}, checkpoint_id=tmp_path / "c")
     assert not (tmp_path / "c" / "dcp-metadata.json").exists()
-    dcp_load.save({"w": torch.zeros(2), "betas": (0.9, 0.99)}, checkpoint_id=tmp_path / "d", allow_pickle=True)
-    state = {"w": torch.ones(2), "betas": None}
+    dcp_load.save({"w": torch.zeros(2), "sched": Schedule()}, checkpoint_id=tmp_path / "d", allow_pickle=True)
+    state = {"w": torch.ones(2), "sched": None}
+    with pytest.raises(LoadError, match="allow_pickle=True"):
+        dcp_load.load(state, checkpoint_id=tmp_path / "d")
+    assert state["sched"] is None and torch.equal(state["w"], torch.ones(2))
     dcp_load.load(state, checkpoint_id=tmp_path / "d", allow_pickle=True)
-    assert state["betas"] == (0.9, 0.99)
+    assert state["sched"] == Schedule()
+
+
+def test_a_real_optimizer_round_trips_without_pickle(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp_load.save(saved, checkpoint_id=tmp_path / "ckpt")
+
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5, betas=(0.1, 0.2))
+    model2(torch.randn(5, 4)).sum().backward()
+    opt2.step()  # allocates the state tensors to load into
+    target = {"model": model2.state_dict(), "optim": opt2.state_dict()}
+    for t in [*target["model"].values(), *(v for s in target["optim"]["state"].values() for v in s.values())]:
+        t.fill_(float("nan"))
+    dcp_load.load(target, checkpoint_id=tmp_path / "ckpt")
+    opt2.load_state_dict(target["optim"])
+    model2.load_state_dict(target["model"])
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95) and opt2.param_groups[0]["lr"] == 0.01
+    _assert_same(target, {"model": model.state_dict(), "optim": opt.state_dict()})
 
 
 def test_save_over_a_checkpoint_removes_its_metadata_first(native, tmp_path, monkeypatch):

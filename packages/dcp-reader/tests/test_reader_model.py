@@ -82,12 +82,35 @@ def test_chunk_dims_must_match_the_tensor():
         _t("w", (2, 2), [((0,), (2,))])
 
 
-def test_value_must_be_json_unless_stored_in_a_file():
-    with pytest.raises(MetadataError, match="not JSON"):
-        ValueMeta("t", (1, 2))  # a tuple would come back as a list
-    with pytest.raises(MetadataError, match="not JSON"):
-        ValueMeta("d", {1: "a"})
+def test_value_must_be_storable_as_json_unless_stored_in_a_file():
+    with pytest.raises(MetadataError, match="cannot be stored as JSON"):
+        ValueMeta("o", object())
+    with pytest.raises(MetadataError, match="cannot be stored as JSON"):
+        ValueMeta("d", {"a": [1, {2: b"bytes"}]})
     ValueMeta("t", file="values.pkl", key="t")
+
+
+@pytest.mark.parametrize("value", [
+    (0.9, 0.999),                                  # an optimizer's betas
+    {0: {"step": 3}, 1: {"step": 4}},              # optimizer.state_dict()["state"] keys
+    {"__tuple__": [1, 2]},                         # a str-keyed dict that looks like a tag
+    {"__map__": 1, "x": (None, True)},
+    [float("nan"), float("inf"), -float("inf"), (), {}],
+    {(1, "a"): [(), ("b",)], None: 2.5, True: "t"},
+])
+def test_values_round_trip_through_json_alike(value):
+    meta = CheckpointMetadata(tensors={}, values={"v": ValueMeta("v", value)}, format="native")
+    text = meta.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    back = CheckpointMetadata.from_json(text).values["v"].value
+    assert repr(back) == repr(value)  # equal, and of the same types (tuples stay tuples)
+
+
+@pytest.mark.parametrize("doc", ['{"__tuple__": 3}', '{"__map__": [[1]]}', '{"__float__": "1e9"}'])
+def test_malformed_value_tags_are_metadata_errors(doc):
+    text = CheckpointMetadata(tensors={}, values={"v": ValueMeta("v", 0)}, format="native").to_json()
+    with pytest.raises(MetadataError, match="malformed"):
+        CheckpointMetadata.from_json(text.replace('{"value":0}', '{"value":' + doc + "}"))
 
 
 @pytest.mark.parametrize("chunks, words", [

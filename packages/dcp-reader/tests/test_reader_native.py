@@ -153,17 +153,23 @@ def test_numpy_arrays_as_input(tmp_path):
         assert r.read("b", r.metadata.tensors["b"].chunks[0], (), (), framework="numpy") == 2.0
 
 
+class _Opaque:  # a value JSON cannot hold
+    def __eq__(self, other):
+        return isinstance(other, _Opaque)
+
+
 def test_pickle_only_when_opted_in_on_save_and_load(tmp_path):
     with pytest.raises(TypeError, match="'opt'.*allow_pickle=True"):
-        NativeWriter(tmp_path / "a").write_values({"opt": (1, 2), "ok": 1})
-    write_native(tmp_path / "b", values={"opt": (1, 2), "step": 4}, allow_pickle=True)
+        NativeWriter(tmp_path / "a").write_values({"opt": _Opaque(), "ok": 1})
+    write_native(tmp_path / "b", values={"opt": _Opaque(), "step": 4, "betas": (0.9, 0.99)}, allow_pickle=True)
     with open_checkpoint(tmp_path / "b") as r:
         assert r.metadata.values["opt"].file == "values.pkl"
-        assert r.read_value("step") == 4
+        assert r.metadata.values["betas"].file is None  # tuples are stored as tagged JSON
+        assert r.read_value("step") == 4 and r.read_value("betas") == (0.9, 0.99)
         with pytest.raises(UnsafePickleError, match="'opt'.*allow_pickle=True"):
             r.read_value("opt")
     with open_checkpoint(tmp_path / "b", allow_pickle=True) as r:
-        assert r.read_value("opt") == (1, 2)
+        assert r.read_value("opt") == _Opaque()
 
 
 def test_uncommitted_save_is_reported_incomplete(tmp_path):

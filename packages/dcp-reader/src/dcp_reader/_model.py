@@ -13,6 +13,7 @@ from typing import Any
 from ._coverage import coverage_problems
 from ._dtypes import is_dtype_name, itemsize
 from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
+from ._values import decode_value, encode_value, is_storable_value
 
 SCHEMA_VERSION = 1
 FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp")
@@ -115,20 +116,6 @@ class TensorMeta:
         return self.numel * self.itemsize
 
 
-_JSON_TYPES = (str, int, float, bool, type(None))
-
-
-def is_json_value(value: Any) -> bool:
-    """True when ``value`` survives a JSON round trip unchanged (no tuples, str dict keys)."""
-    if isinstance(value, _JSON_TYPES):
-        return True
-    if isinstance(value, list):
-        return all(is_json_value(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and is_json_value(v) for k, v in value.items())
-    return False
-
-
 @dataclass(frozen=True)
 class ValueMeta:
     """A non-tensor entry: inline JSON ``value``, or (pickled, opt-in) stored in ``file``
@@ -144,10 +131,11 @@ class ValueMeta:
         if not isinstance(self.name, str):
             raise MetadataError(f"value name must be a str, got {self.name!r}")
         if self.file is None:
-            if not is_json_value(self.value):
-                raise MetadataError(f"value {self.name!r} of type {type(self.value).__name__} is not "
-                                    "JSON (None, bool, int, float, str, list, dict with str keys); "
-                                    "store it pickled (allow_pickle=True) or convert it", key=self.name)
+            if not is_storable_value(self.value):
+                raise MetadataError(f"value {self.name!r} of type {type(self.value).__name__} cannot be "
+                                    "stored as JSON (None, bool, int, float, str, and lists, tuples and "
+                                    "dicts of them); store it pickled (allow_pickle=True) or convert it",
+                                    key=self.name)
         elif not isinstance(self.file, str) or not self.file:
             raise MetadataError(f"value {self.name!r}: file must be a non-empty str, got {self.file!r}",
                                 key=self.name)
@@ -221,7 +209,7 @@ class CheckpointMetadata:
             tensors[name] = {"shape": list(t.shape), "dtype": t.dtype, "chunks": chunks}
         values = {}
         for name, v in self.values.items():
-            d = {"value": v.value} if v.file is None else {"file": v.file, "key": v.key}
+            d = {"value": encode_value(v.value)} if v.file is None else {"file": v.file, "key": v.key}
             if v.storage is not None:
                 d["storage"] = list(v.storage)
             values[name] = d
@@ -254,9 +242,9 @@ class CheckpointMetadata:
                 tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
             values = {}
             for name, v in _obj(doc, "values").items():
-                values[name] = ValueMeta(name=name, value=v.get("value"), file=v.get("file"),
+                values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
                                          key=v.get("key"), storage=v.get("storage"))
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
                                 "corrupt or from an incompatible writer") from None
         return cls(tensors=tensors, values=values, format=doc.get("format", "native"),

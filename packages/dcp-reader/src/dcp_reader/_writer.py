@@ -13,9 +13,10 @@ from typing import Any
 
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
 from ._errors import UnknownDtypeError, summarise
-from ._model import CheckpointMetadata, ValueMeta, is_json_value
+from ._model import CheckpointMetadata, ValueMeta
 from ._native import MARKER_KEY, MARKER_VALUE, METADATA_FILE
 from ._paths import check_files, check_name
+from ._values import is_storable_value
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +151,14 @@ class NativeWriter:
         out: dict[str, ValueMeta] = {}
         pickled: dict[str, Any] = {}
         for name, v in values.items():
-            if is_json_value(v):
+            if is_storable_value(v):
                 out[name] = ValueMeta(name=name, value=v)
             else:
                 pickled[name] = v
         if pickled and not self.allow_pickle:
             kinds = [f"{k!r}: {type(v).__module__}.{type(v).__name__}" for k, v in pickled.items()]
-            raise TypeError(f"{len(pickled)} value(s) are not JSON (None, bool, int, float, str, list, "
-                            f"dict with str keys): {summarise(kinds)}. Convert them, or pass "
+            raise TypeError(f"{len(pickled)} value(s) cannot be stored as JSON (None, bool, int, float, "
+                            f"str, and lists, tuples and dicts of them): {summarise(kinds)}. Convert them, or pass "
                             "allow_pickle=True on save and on load (only for trusted checkpoints)")
         if pickled:
             final = self._target(file_name)
