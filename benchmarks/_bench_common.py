@@ -359,7 +359,11 @@ def now() -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One measured load. ``method``: dcp | dcp-reread | torch | safetensors."""
+    """One measured load. ``method``: dcp | dcp-reread | dcp-auto | torch | safetensors.
+
+    ``simulate_hosts``: each simulated node gets its own ``DCP_HOST_ID``, so dcp's "auto"
+    mode sees the nodes as separate hosts (as on a cluster).
+    """
 
     method: str
     spec: ModelSpec | SmallSpec
@@ -372,9 +376,10 @@ class Run:
     verify: bool = True
     sample_memory: bool = True
     warmup_dir: str | None = None  # a checkpoint of warmup_spec(spec), loaded first
+    simulate_hosts: bool = False
 
     def __post_init__(self) -> None:
-        if self.method not in ("dcp", "dcp-reread", "torch", "safetensors"):
+        if self.method not in ("dcp", "dcp-reread", "dcp-auto", "torch", "safetensors"):
             raise ValueError(f"unknown method {self.method!r}")
         if len(self.ckpt_dirs) * self.ranks_per_node < self.dp * self.tp:
             raise ValueError(f"{len(self.ckpt_dirs)} node copies x {self.ranks_per_node} ranks "
@@ -458,11 +463,12 @@ def verify_state_dict(run: Run, ckpt: str, local: dict[str, Any], tp_rank: int) 
 
 def _do_load(run: Run, sd: dict[str, Any], ckpt: str, distributed: bool) -> dict[str, Any]:
     """The measured call. Returns what the loader itself reports."""
-    if run.method in ("dcp", "dcp-reread"):
+    if run.method in ("dcp", "dcp-reread", "dcp-auto"):
         from dcp_load import load
 
+        mode: bool | str = {"dcp": True, "dcp-reread": False, "dcp-auto": "auto"}[run.method]
         rep = load(sd, checkpoint_id=ckpt, no_dist=not distributed,
-                   broadcast_replicated_tensors=run.method == "dcp",
+                   broadcast_replicated_tensors=mode,
                    broadcast_batch_bytes=run.batch_bytes)
         out = {"report_bytes_read": getattr(rep, "bytes_read", None),
                "report_bytes_received": getattr(rep, "bytes_received", None),
@@ -508,6 +514,8 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
         import torch.distributed.checkpoint.hf_storage  # noqa: F401
     node = rank // run.ranks_per_node
     ckpt = run.ckpt_dirs[node]
+    if run.simulate_hosts:
+        os.environ["DCP_HOST_ID"] = f"bench-node-{node}"  # read by dcp_load's "auto" mode
     stamps = {"start": now()}
     mesh = make_mesh(run, distributed)
     stamps["mesh"] = now()

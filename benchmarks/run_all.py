@@ -58,11 +58,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default="warm,cold,coldhost",
                     help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
                          "cold (simulated nodes, a copy each, cache dropped)")
-    ap.add_argument("--methods", default="dcp,dcp-64k,dcp-reread,torch",
-                    help="methods in the warm mode: dcp (batch --batch-bytes), dcp-64k, dcp-reread, torch")
+    ap.add_argument("--methods", default="dcp,dcp-64k,dcp-reread,dcp-auto,torch",
+                    help="methods in the warm mode: dcp (broadcast, batch --batch-bytes), dcp-64k, "
+                         "dcp-reread, dcp-auto (load()'s default), torch")
     ap.add_argument("--coldhost-methods", default="dcp,dcp-reread",
                     help="methods in coldhost mode (add torch to compare it there too)")
-    ap.add_argument("--cold-methods", default="dcp,torch",
+    ap.add_argument("--cold-methods", default="dcp,dcp-auto,torch",
                     help="methods in the simulated multi-node cold mode (dcp-reread there reads "
                          "what torch DCP reads; left out by default to keep a full run short)")
     ap.add_argument("--ranks-per-node", type=int, default=0,
