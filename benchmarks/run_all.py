@@ -58,7 +58,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--modes", default="warm,cold,coldhost",
                     help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
                          "cold (simulated nodes, a copy each, cache dropped)")
-    ap.add_argument("--methods", default="dcp,dcp-64k,dcp-reread,dcp-auto,torch",
+    ap.add_argument("--methods", default="dcp,dcp-reread,dcp-auto,torch",
                     help="methods in the warm mode: dcp (broadcast, batch --batch-bytes), dcp-64k, "
                          "dcp-reread, dcp-auto (load()'s default), torch")
     ap.add_argument("--coldhost-methods", default="dcp,dcp-reread",
