@@ -7,6 +7,7 @@ after poisoning every target, and returns what it found.
 
 from __future__ import annotations
 
+import os
 import traceback
 from typing import Any
 
@@ -40,6 +41,9 @@ def ms_load_case(rank: int, world: int, path: str, expected: dict[str, Any]) -> 
     import dcp_load
     import mindspore as ms
 
+    # Each worker a node of its own, so the default "auto" mode broadcasts replicated boxes
+    # as on a multi-node job (on one host it would let each worker re-read them).
+    os.environ["DCP_HOST_ID"] = f"node{rank}"
     out: dict[str, Any] = {"errors": []}
     try:
         state: dict[str, Any] = {}
