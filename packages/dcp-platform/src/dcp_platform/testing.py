@@ -57,19 +57,34 @@ def _context() -> Any:
     global _CTX  # the forkserver is per process by nature; this only memoises the context
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))
+        ctx.set_forkserver_preload(list(_preload))
         _CTX = ctx
     return _CTX
 
 
+_preload = list(PRELOAD)
+
+
+def add_preload(*modules: str) -> None:
+    """Import ``modules`` once in the forkserver too, so ranks start with them imported.
+
+    Call it before the first ``run_ranks`` of the process: the forkserver starts then and
+    keeps the imports it started with.
+    """
+    _preload.extend(m for m in modules if m not in _preload)
+    if _CTX is not None:
+        _CTX.set_forkserver_preload(list(_preload))
+
+
 def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str,
-           pg_timeout_s: float, env: dict[str, str], args: tuple[Any, ...], results: Any) -> None:
+           pg_timeout_s: float, env: dict[str, str], threads: int, args: tuple[Any, ...],
+           results: Any) -> None:
     os.environ.update(env)
     try:
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
@@ -85,8 +100,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, b
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
               timeout: float = 120.0, pg_timeout: float | None = None,
-              env: dict[str, str] | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, threads: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
+
+    ``threads``: torch intra-op threads per rank (1: ranks do not oversubscribe the cores).
 
     ``timeout`` bounds the whole run; ``pg_timeout`` (default: ``timeout``) is the process
     group timeout, so a collective that never completes fails inside the ranks too.
@@ -101,7 +118,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             ctx.Process(
                 target=_child,
                 args=(fn, r, world_size, init_file, backend, pg_timeout or timeout,
-                      dict(env or {}), args, results),
+                      dict(env or {}), threads, args, results),
                 daemon=True,
             )
             for r in range(world_size)
