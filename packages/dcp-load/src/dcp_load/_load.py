@@ -15,7 +15,7 @@ from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
 from ._targets import Target, target_for
-from ._validate import check_reads, check_targets, exchange
+from ._validate import check_dtypes, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
 
@@ -110,6 +110,7 @@ def load(
     strict: bool = True,
     platform: Any = None,
     allow_pickle: bool = False,
+    allow_dtype_cast: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
 
@@ -125,6 +126,9 @@ def load(
     ``strict=False`` skips entries the checkpoint lacks (listed in the report).
     ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
     ``allow_pickle``: allow pickled non-tensor values (torch DCP checkpoints store them so).
+    ``allow_dtype_cast``: destinations whose dtype differs from the checkpoint's (float32
+    master weights from a bfloat16 checkpoint) are cast piece by piece, as torch DCP does,
+    and listed in the report's ``cast``; ``False`` refuses any dtype difference.
 
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
@@ -147,6 +151,7 @@ def load(
     targets: list[Target] = []
     values: list[Any] = []
     missing: list[str] = []
+    cast: list[str] = []
     wants: list[Want] = []
     try:
         try:
@@ -162,8 +167,10 @@ def load(
                 owned = True
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
+            errs, cast = check_dtypes(targets, reader.metadata, allow_dtype_cast)
+            errors.extend(errs)
             caps = platform.capabilities
-            wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast)) for t in targets]
+            wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast), t.dtype) for t in targets]
         except _Reported:
             pass
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
@@ -171,7 +178,7 @@ def load(
         # The settings that shape the collectives travel with the wants: ranks that differ
         # would walk different broadcast schedules and hang, so they fail together instead.
         settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
-        host = host_id() if broadcast_replicated_tensors == AUTO else None
+        host = host_id() if broadcast else None
         gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings, host))
         differing = sorted({s for _, s, _ in gathered_all}, key=repr)
         if len(differing) > 1:
@@ -184,7 +191,7 @@ def load(
         phases.end("prepare")
 
         plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                                 hosts=hosts)
+                                 hosts=hosts, same_host_reads=broadcast_replicated_tensors == AUTO)
         me = rank if collective else 0
         reads = plan.reads_for(me)
         phases.end("plan")
@@ -216,7 +223,7 @@ def load(
         bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
-        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing),
+        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing), cast=tuple(cast),
     )
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
                  "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],

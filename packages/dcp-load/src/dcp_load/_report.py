@@ -20,7 +20,8 @@ class LoadReport:
     ``job_bytes_read``: ``bytes_read`` summed over all ranks; ``job_unique_bytes``: bytes of
     the distinct boxes any rank wanted (a read-once load has ``read_amplification`` 1.0).
     ``seconds``: wall time per phase (``prepare``, ``plan``, ``validate``, ``execute``,
-    ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``.
+    ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``. ``cast``:
+    tensors whose destination dtype differs from the checkpoint's, cast while loading.
     """
 
     rank: int
@@ -38,6 +39,7 @@ class LoadReport:
     job_unique_bytes: int
     seconds: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    cast: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
@@ -46,6 +48,7 @@ class LoadReport:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "seconds", dict(self.seconds))
         object.__setattr__(self, "missing", tuple(self.missing))
+        object.__setattr__(self, "cast", tuple(self.cast))
 
     @property
     def read_amplification(self) -> float:
