@@ -16,7 +16,8 @@ from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
 from ._values import decode_value, encode_value, is_storable_value
 
 SCHEMA_VERSION = 1
-FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp")
+FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp",
+           "hyper-parallel")  # _hyper.FORMAT
 
 
 def _int_tuple(value: Any, what: str, *, key: str | None) -> tuple[int, ...]:
