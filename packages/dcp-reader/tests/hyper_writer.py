@@ -149,6 +149,12 @@ def _save_tensors(tensors: dict[str, Any], file: str, framework: str) -> None:
         ms.save_checkpoint(save_obj=params, ckpt_file_name=file, format="safetensors")
 
 
+def _is_chunks(v: Any) -> bool:
+    """[(offsets, tensor), ...]: a tensor's chunks; anything else is a value."""
+    return isinstance(v, list) and bool(v) and all(
+        isinstance(p, tuple) and len(p) == 2 and hasattr(p[1], "shape") for p in v)
+
+
 def write_checkpoint(path: str | os.PathLike[str], ranks: Mapping[int, Mapping[str, Any]],
                      shapes: Mapping[str, tuple[int, ...]], *, per_rank: bool = False,
                      framework: str = "torch", tensor_key: bool = True,
@@ -164,7 +170,7 @@ def write_checkpoint(path: str | os.PathLike[str], ranks: Mapping[int, Mapping[s
     for rank, items in ranks.items():
         sd_meta: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
-        chunks = [(fqn, off, t) for fqn, v in items.items() if isinstance(v, list) for off, t in v]
+        chunks = [(fqn, off, t) for fqn, v in items.items() if _is_chunks(v) for off, t in v]
         data_file = f"_rank{rank}_.safetensors"
         keys = tensor_keys([fqn for fqn, _, _ in chunks])
         if chunks:
@@ -175,7 +181,7 @@ def write_checkpoint(path: str | os.PathLike[str], ranks: Mapping[int, Mapping[s
             md.chunks.append(ChunkStorageMetadata(tuple(off), tuple(t.shape)))
             idx = MetadataIndex(fqn, tuple(off), len(md.chunks) - 1)
             storage[idx] = StorageInfo(data_file, 0, -1, key if (tensor_key or key != fqn) else None)
-        values = {fqn: v for fqn, v in items.items() if not isinstance(v, list)}
+        values = {fqn: v for fqn, v in items.items() if not _is_chunks(v)}
         if values:
             bytes_file = f"_rank{rank}_.bytes"
             with open(os.path.join(path, bytes_file), "wb") as f:

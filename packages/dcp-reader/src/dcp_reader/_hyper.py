@@ -21,6 +21,7 @@ dtype codes and a ``{"format": "ms"}`` header metadata), read by the shared safe
 
 from __future__ import annotations
 
+import _compat_pickle
 import os
 import pickle
 import re
@@ -73,6 +74,10 @@ class _HyperUnpickler(_RestrictedUnpickler):
         self._hyper_path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocols 0-2 name Python 2 modules (copy_reg, __builtin__): map them as pickle's own
+        # find_class does; the allow-list below still decides
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         allowed = _ALLOWED.get((module, name))
         if allowed is not None:
             return allowed
@@ -261,7 +266,8 @@ def load_hyper(root_real: str, *, rank: int | None = None) -> CheckpointMetadata
     files += [(v.file, n) for n, v in values.items() if v.file]
     check_files(root_real, files)
     try:
-        return CheckpointMetadata(tensors=tensors, values=values, format=FORMAT)
+        return CheckpointMetadata(tensors=tensors, values=values, format=FORMAT,
+                                  partial=os.path.basename(path) != METADATA_FILE)
     except CheckpointError as e:
         raise e.with_path(path) from None
 
