@@ -104,3 +104,5 @@ def test_dcp_inspect_shows_the_format(ckpts, capsys):
     assert "_rank0_.safetensors:embed.weight.__dcp_chunk_1" in text
     assert main(["inspect", ckpts["rank_local"]]) == 2
     assert "rank=" in capsys.readouterr().err
+    assert main(["inspect", ckpts["rank_local"], "--rank", "1"]) == 0
+    assert "format hyper-parallel, 5 tensors, 0 values" in capsys.readouterr().out
