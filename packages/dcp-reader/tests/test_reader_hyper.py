@@ -112,6 +112,17 @@ def test_random_chunkings_read_back_exactly(layout, data):
             assert same(box, w[lo[0]:hi[0], lo[1]:hi[1]])
 
 
+def test_ragged_key_colliding_with_an_fqn_gets_underscores(tmp_path):
+    w, other, other2 = torch.arange(12.0).reshape(4, 3), torch.ones(2), torch.zeros(1)
+    ranks = {0: {"w": [((0, 0), w[:1].clone()), ((1, 0), w[1:].clone())],
+                 "w.__dcp_chunk_0": [((0,), other)], "w.__dcp_chunk_0_": [((0,), other2)]}}
+    hw.write_checkpoint(tmp_path, ranks, {"w": (4, 3), "w.__dcp_chunk_0": (2,), "w.__dcp_chunk_0_": (1,)})
+    with open_checkpoint(tmp_path) as r:
+        assert [c.key for c in r.metadata.tensors["w"].chunks] == ["w.__dcp_chunk_0__", "w.__dcp_chunk_1"]
+        assert same(assemble(r, "w"), w) and same(assemble(r, "w.__dcp_chunk_0"), other)
+        assert same(assemble(r, "w.__dcp_chunk_0_"), other2)
+
+
 def _two_ranks() -> tuple[dict, dict, dict]:
     w = torch.arange(48, dtype=torch.float32).reshape(8, 6)
     b = torch.arange(8, dtype=torch.bfloat16)

@@ -121,8 +121,11 @@ def detect_hyper(root_real: str, names: set[str]) -> bool:
     if METADATA_FILE in names:
         if any(n.endswith(".distcp") for n in names):
             return False
-        with open(os.path.join(root_real, METADATA_FILE), "rb") as f:
-            head = f.read(4096)  # the pickle names Metadata's module first
+        try:
+            with open(os.path.join(root_real, METADATA_FILE), "rb") as f:
+                head = f.read(4096)  # the pickle names Metadata's module first
+        except OSError:  # unreadable: let the torch-dcp reader (or the data files) decide
+            head = b""
         return _MARKER in head or any(_RANK_DATA.fullmatch(n) for n in names)
     if rank_metadata_files(root_real, names):
         return True
