@@ -143,7 +143,12 @@ def load(
         errors.append(f"{type(exc).__name__}: {exc}")
     platform = resolve_platform(platform, leaves)
     rank = platform.rank()
-    collective = not no_dist and use_collectives and platform.is_distributed()
+    # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
+    # loads what it saved, alone. Decided from the directory listing, which all ranks share.
+    from dcp_reader import is_rank_local
+
+    rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
+    collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
     broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(rank)
 
@@ -163,7 +168,7 @@ def load(
             if reader is None:
                 from dcp_reader import open_checkpoint
 
-                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle)
+                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=rank)
                 owned = True
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
