@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _bench_attrib
 from _bench_common import (
     GiB,
     ModelSpec,
@@ -249,6 +250,7 @@ def tables(res: dict[str, Any]) -> list[str]:
     reps = len({r["repeat"] for r in res["runs"]})
     for mode in modes:
         rows = []
+        floor = unique / disk_bw(res) if mode != "warm" and res["disk"] else None
         for lay in layouts:
             for m in methods:
                 rs = _runs(res, lay, mode, m)
@@ -262,14 +264,20 @@ def tables(res: dict[str, Any]) -> list[str]:
                 row += [fmt_bytes(total), f"{total / unique:.2f}",
                         fmt_bytes(med(res, lay, mode, m, "read_bytes_max")),
                         f"{med(res, lay, mode, m, 'data_collectives_max'):.0f}"]
+                if floor:
+                    row.append(f"{median(walls) / floor:.2f}")
                 rows.append(row)
         title = TITLES[mode]
+        floor_text = (f" x floor = time / physical floor, the floor being unique bytes / measured "
+                      f"disk bandwidth = {fmt_bytes(unique)} / {disk_bw(res) / 1e9:.2f} GB/s = "
+                      f"{floor:.3f} s." if floor else "")
         out.append(f"### {title}\n\nCheckpoint {fmt_bytes(unique)} (unique bytes); "
                    f"median of {reps} runs; ratio = time / torch DCP's time in the same repeat "
                    "(median of the per-repeat ratios); storage reads from /proc/self/io read_bytes "
-                   "summed over ranks; amplification = storage reads / unique bytes.\n\n" + table(
+                   f"summed over ranks; amplification = storage reads / unique bytes.{floor_text}\n\n" + table(
             ["layout", "ranks", "method", "load s (median)", "range", "x torch",
-             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"], rows))
+             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"]
+            + (["x floor"] if floor else []), rows))
     if "cold" in modes and res["disk"]:
         bw = disk_bw(res)
         bound = unique / bw
@@ -281,8 +289,12 @@ def tables(res: dict[str, Any]) -> list[str]:
                     continue
                 per_rank = [median([r["summary"]["read_bytes_per_rank"][k] for r in rs])
                             for k in range(rs[0]["world"])]
-                rows.append([LAYOUT_NAMES[lay], f"{rs[0]['nodes']} x {rs[0]['ranks_per_node']}",
+                nodes = rs[0]["nodes"]
+                per_node = [median([r["summary"]["read_bytes_per_node"][k] for r in rs]) for k in range(nodes)]
+                rows.append([LAYOUT_NAMES[lay], f"{nodes} x {rs[0]['ranks_per_node']}",
                              METHOD_NAMES[m], " / ".join(f"{b / 2**20:.0f}" for b in per_rank),
+                             " / ".join(f"{b / unique:.2f}" for b in per_node),
+                             f"{sum(per_node) / unique:.2f}", f"{max(per_node) / (unique / nodes):.2f}",
                              f"{med(res, lay, 'cold', m, 'wall_s') / bound:.2f}"])
         p = res.get("probe")
         probe = "" if not p else (
@@ -294,11 +306,15 @@ def tables(res: dict[str, Any]) -> list[str]:
             f"({fmt_bytes(p['loaders']['box_bytes'])}, cold) fetched {fmt_bytes(p['loaders']['dcp_reader'])} "
             f"through dcp_reader.read and {fmt_bytes(p['loaders']['safetensors get_slice'])} through "
             "safetensors get_slice (torch DCP's HF reader).")
-        out.append("### 1b. Per-rank bytes fetched from storage (MiB, median over repeats), cold\n\n"
+        out.append("### 1b. Bytes fetched from storage per rank and per node, cold (median over repeats)\n\n"
                    f"Raw disk bandwidth, cold sequential 16 MiB reads of the files, median: "
-                   f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.{probe}\n\n" + table(
+                   f"{bw / 1e9:.2f} GB/s, so the physical floor unique bytes / bandwidth = {bound:.3f} s. "
+                   "Per node: the bytes the ranks of simulated node k fetched from their copy of the "
+                   "files / unique bytes; node balance = the busiest node's bytes / (unique bytes / "
+                   f"nodes), 1.00 when the job's reads are spread evenly over the nodes.{probe}\n\n" + table(
             ["layout", "nodes x ranks", "method", "MiB read per rank (rank 0..N-1)",
-             "time / (unique / bandwidth)"], rows))
+             "per node / unique (node 0..N-1)", "all nodes / unique", "node balance",
+             "time / floor"], rows))
     if "dcp" in methods and "dcp-reread" in methods:
         rows = []
         for mode in [m for m in ("warm", "coldhost") if m in modes]:
@@ -320,6 +336,9 @@ def tables(res: dict[str, Any]) -> list[str]:
                            ["layout", "cache", "dcp broadcast s", "broadcast 64 KiB s", "dcp re-read s",
                             "dcp auto s", "torch DCP s", "broadcast / re-read", "64 KiB / re-read",
                             "storage read, re-read"], rows))
+    attrib, _ = _bench_attrib.tables(res, METHOD_NAMES, LAYOUT_NAMES)
+    if attrib:
+        out.append(attrib)
     rows = []
     phases = ("prepare", "plan", "validate", "execute", "finish", "total")
     for lay in layouts:
