@@ -59,12 +59,17 @@ def _amplification(rep: dict[str, Any], layouts: list[str]) -> list[list[str]]:
         t = _rep(rep, layout=lay, mode="cold", method="torch")
         tamp = median([r["summary"]["read_bytes_total"] / unique for r in t]) if t else float("nan")
         ok = amp <= AMPLIFICATION_SLACK
-        why = "" if ok else (f"; dcp's own count of box bytes read {boxes:.2f} x unique, so "
-                             f"{amp - boxes:+.2f} x unique are pages fetched by more than one node "
-                             "(boxes planned once that share pages) or readahead")
+        if ok:
+            why = ""
+        elif amp > boxes:
+            why = (f"; dcp's reader counted {boxes:.2f} x unique, so {amp - boxes:.2f} x unique are pages "
+                   "fetched by more than one node (boxes planned once that share pages) or readahead")
+        else:
+            why = (f"; dcp's reader counted {boxes:.2f} x unique itself: it reads more than the boxes "
+                   "(a format it cannot narrow, such as torch DCP's torch.save blobs, is read whole)")
         rows.append(_row(f"Storage bytes / unique <= {AMPLIFICATION_SLACK} ({LAYOUT_NAMES[lay]}, cold, "
                          f"simulated nodes, {METHOD_NAMES[m]})", ok,
-                         f"{amp:.2f}; per node {' / '.join(f'{x:.2f}' for x in per_node)} "
+                         f"{amp:.3f}; per node {' / '.join(f'{x:.2f}' for x in per_node)} "
                          f"(an even split is {1 / nodes:.2f} each); torch DCP {tamp:.2f}{why}"))
     return rows
 

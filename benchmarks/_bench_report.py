@@ -195,6 +195,7 @@ def _headline(res: dict[str, Any]) -> str:
                 t = median([x["summary"]["wall_s"] for x in _r(rep, lay, "warm", "torch")])
                 out.append(f"- {name}, warm page cache, one host, time against torch DCP ({t:.2f} s): "
                            + ", ".join(parts) + ".")
+    out += _throttled_headline(res.get("throttled"))
     small = res.get("small")
     if small:
         by = {}
@@ -221,6 +222,31 @@ def _headline(res: dict[str, Any]) -> str:
                        f"{r['plan_s_median']:.2f} s in one process; each rank sends "
                        f"{fmt_bytes(r['msg_bytes_median'])} and receives {fmt_bytes(r['gathered_bytes'])}.")
     return "\n".join(out)
+
+
+def _throttled_headline(th: dict[str, Any] | None) -> list[str]:
+    if not th:
+        return []
+    if th.get("skipped"):
+        return [f"- Throttled storage: not run ({th['skipped']})."]
+    out = []
+    for bps in th["bps"]:
+        for scen in bench_load_throttled.SCENARIOS:
+            for lay in dict.fromkeys(r["layout"] for r in th["runs"]):
+                rs = [r for r in th["runs"] if r["bps"] == bps and r["mode"] == scen and r["layout"] == lay]
+                d = [r for r in rs if r["method"] == "dcp-auto"]
+                t = [r for r in rs if r["method"] == "torch"]
+                if not d or not t:
+                    continue
+                floor = bench_load_throttled.floor_s(th, d[0])
+                dw = median([r["summary"]["wall_s"] for r in d])
+                tw = median([r["summary"]["wall_s"] for r in t])
+                out.append(f"- {rep_mod.LAYOUT_NAMES[lay]}, storage capped at {bps / 2**20:.0f} MiB/s "
+                           f"({bench_load_throttled.SCENARIO_NAMES[scen]}), cold: dcp {dw:.2f} s "
+                           f"({dw / floor:.2f} x the physical floor {floor:.2f} s), torch DCP {tw:.2f} s "
+                           f"({tw / floor:.2f} x); dcp / torch DCP x"
+                           f"{bench_load_throttled.ratio(th, 'dcp-auto', 'torch', bps=bps, mode=scen, layout=lay):.2f}.")
+    return out
 
 
 def _rule(res: dict[str, Any]) -> str:
@@ -329,9 +355,11 @@ def _amp_miss(rep: dict[str, Any]) -> list[str]:
              f"with MADV_RANDOM (read_ahead_kb = {p['read_ahead_kb']}).") if p else ""
     return [
         "- **Storage bytes above the unique bytes, cold, simulated nodes.** "
-        + "; ".join(f"{rep_mod.LAYOUT_NAMES[lay]}: storage {amp:.2f} x unique while dcp's own count of "
-                    f"the box bytes it read is {boxes:.2f} x" for lay, amp, boxes in missed)
-        + ". The boxes are planned once, so the excess is pages fetched by more than one node: "
+        + "; ".join(f"{rep_mod.LAYOUT_NAMES[lay]}: storage {amp:.3f} x unique, dcp's reader's own count "
+                    f"{boxes:.2f} x" for lay, amp, boxes in missed)
+        + ". Where the reader's count is 1.00 the boxes were planned once, so the excess is pages "
+        "fetched by more than one node (where it is above 1.00 the reader itself reads more than "
+        "the boxes: torch DCP's torch.save blobs are read whole): "
         "row-parallel (`Shard(1)`) halves of one saved chunk share every page (a half row of "
         "`o_proj` is a few KiB) and their readers sit on different nodes; boxes that overlap "
         "without being identical are each read on their own. Planning by file byte ranges with "
