@@ -85,13 +85,31 @@ def tables(rep: dict[str, Any], names: dict[str, str], layout_names: dict[str, s
                 gaps.append((lay, m, diffs[worst], worst))
     if not rows:
         return "", gaps
+    per_rank = _per_rank_rows(warm, names, layout_names)
     text = ("### Attribution of the warm one-host time, per rank\n\n"
             "Warm page cache, one host, the same files for both loaders. Each cell: median over "
             "ranks (max over ranks in parentheses), seconds, median over repeats. Columns: "
             + "; ".join(_COLUMN_TEXT) + ". The *gap* rows subtract torch DCP's medians from dcp's: "
             "a positive number is time dcp spends that torch DCP does not.\n\n"
-            + table(["layout", "loader", "job load s", "rank total", *COLUMNS, "blocking collectives"], rows))
+            + table(["layout", "loader", "job load s", "rank total", *COLUMNS, "blocking collectives"], rows)
+            + "\n\nEach rank on its own (first repeat; seconds, ranks 0..N-1):\n\n"
+            + table(["layout", "loader", "rank total", "metadata", "planning", "read + copy"], per_rank))
     return text, gaps
+
+
+def _per_rank_rows(warm: list[dict[str, Any]], names: dict[str, str],
+                   layout_names: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for r in warm:
+        if r["repeat"] != 0 or r["method"] not in ("dcp-auto", "torch"):
+            continue
+        ph = [rank_phases(p) for p in r["per_rank"]]
+        if any(x is None for x in ph):
+            continue
+        rows.append([layout_names[r["layout"]], names[r["method"]]]
+                    + [" / ".join(f"{x[k]:.3f}" for x in ph) for k in ("total", "metadata", "planning",
+                                                                         "read + copy")])
+    return rows
 
 
 def _wall(warm: list[dict[str, Any]], lay: str) -> float:

@@ -26,8 +26,8 @@ from _bench_stats import fmt_bytes, median, table  # noqa: E402
 HEAD = """# Benchmarks: dcp against torch.distributed.checkpoint
 
 Every number below comes from one run of `benchmarks/run_all.py` on the machine described
-here, on the same Hugging Face safetensors files for every loader and with the same
-launcher (real gloo ranks, one fresh process per rank per measurement). Ratios are taken
+here, on the same files for every loader (Hugging Face safetensors; for the resharding
+case, torch DCP's own format) and with the same launcher (real gloo ranks, one fresh process per rank per measurement). Ratios are taken
 inside one repeat (the loaders run one after the other on the same files; the method order
 rotates every repeat) and the median of those per-repeat ratios is given; times are medians
 over the repeats. The raw per-rank results are in `bench-results/<time>.json` (gitignored);

@@ -1,6 +1,6 @@
 """Run the dcp load benchmarks side by side with torch.distributed.checkpoint.
 
-    python benchmarks/run_all.py                  # every scenario, 3 repeats (~20-25 min here)
+    python benchmarks/run_all.py                  # every scenario, 3 repeats (~25-30 min here)
     python benchmarks/run_all.py --quick          # small sizes, 1 repeat: a smoke run
     python benchmarks/run_all.py --scenarios replicated --layouts dp4 --modes warm
 
