@@ -501,20 +501,19 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
         os.environ["DCP_HOST_ID"] = f"bench-node-{node}"  # read by dcp_load's "auto" mode
     stamps = {"start": now()}
     mesh = make_mesh(run, distributed)
+    tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
     stamps["mesh"] = now()
     if run.warmup_dir:
         # A load of a tiny checkpoint with the same structure first, by the same method:
         # first-call costs (lazy imports, library code paged in after a cache drop) stay
         # out of the measured load; both loaders get the same warm-up.
         wsd, wlocal = build_state_dict(warmup_spec(run.spec), run, rank, mesh)
-        tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
         do_load(dataclasses.replace(run, spec=warmup_spec(run.spec)), wsd, wlocal, run.warmup_dir,
                 distributed, tp_rank)
         del wsd, wlocal
     stamps["warmup"] = now()
     sd, local = build_state_dict(run.spec, run, rank, mesh)
     stamps["build"] = now()
-    tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
     import gc
 
     gc.collect()

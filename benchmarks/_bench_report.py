@@ -401,7 +401,9 @@ def _peers(res: dict[str, Any]) -> str:
         r = res.get(name) or {}
         for peer, reason in (r.get("peers") or {}).items():
             n = sum(1 for x in r.get("runs", []) if x["method"] == peer)
-            rows.append([peer, name, "imports" if reason is None else reason, str(n)])
+            version = (res["machine"].get("peers") or {}).get(peer)
+            ok = f"{peer} {version} imports" if version else "imports"
+            rows.append([peer, name, ok if reason is None else reason, str(n)])
             for f in r.get("peer_failures", []):
                 if f["method"] == peer and reason is None:
                     rows.append([peer, name, f"{rep_mod.LAYOUT_NAMES[f['layout']]} {f['mode']}: "

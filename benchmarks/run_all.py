@@ -146,10 +146,20 @@ def machine() -> dict[str, Any]:
         "mem_gib": round(int(mem) / 2**20, 1) if mem else None, "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__,
         "safetensors": safetensors.__version__, "dcp_load": dcp_version,
+        "peers": {p: _version(p) for p in bench_load_replicated.PEERS},
         "disk": sh("df -h --output=source,size,fstype / | tail -1"),
         "git": sh(f"git -C {HERE.parent} rev-parse --short HEAD"),
         "loadavg_start": sh("cat /proc/loadavg"),
     }
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
