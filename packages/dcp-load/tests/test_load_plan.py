@@ -108,11 +108,11 @@ def test_dp2_tp2_from_tp4_groups_per_tp_rank() -> None:
 def test_large_replicated_pieces_are_split_across_members() -> None:
     tensors = {"emb": T((10, 8), (C((0, 0), (10, 8)),)), "small": T((2,), (C((0,), (2,)),))}
     wants = [[("emb", (0, 0), (10, 8), BOTH), ("small", (0,), (2,), BOTH)]] * 3
-    plan = build_global_plan(tensors, wants, split_bytes=64)  # 320 bytes -> 3 slabs (4, 3, 3 rows)
+    plan = build_global_plan(tensors, wants, split_bytes=64)  # 320 bytes -> 5 slabs of 2 rows
     slabs = sorted((i.offsets, i.sizes, i.reader) for i in plan.broadcasts if i.name == "emb")
-    assert [(o, s) for o, s, _ in slabs] == [((0, 0), (4, 8)), ((4, 0), (3, 8)), ((7, 0), (3, 8))]
-    assert sorted(r for _, _, r in slabs) == [0, 1, 2]
-    assert plan.unique_bytes == 320 + 8
+    assert [(o, s) for o, s, _ in slabs] == [((2 * k, 0), (2, 8)) for k in range(5)]
+    assert sorted(r for _, _, r in slabs) == [0, 0, 1, 1, 2]  # heaviest first, fewest bytes
+    assert plan.unique_bytes == 320 + 8 and sorted(plan.loads) == [72, 128, 128]
     unsplit = build_global_plan(tensors, wants, split_bytes=0)
     assert len(unsplit.broadcasts) == 2 and max(unsplit.loads) == 320
 

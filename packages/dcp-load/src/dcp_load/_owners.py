@@ -35,7 +35,13 @@ from typing import Any
 from ._plan import GlobalPlan, Planner, ReadItem, intersect
 from ._segments import Piece, intervals, row_bytes, split_rows, sub_box
 
-__all__ = ["PlanBuilder"]
+__all__ = ["SLABS_PER_UNIT", "PlanBuilder"]
+
+#: A holder set's slabs are at most its bytes / (this x owners) (and at least
+#: ``SPLIT_BYTES``): with several slabs per owner, heaviest-first assignment balances the
+#: owners. 70B-like plan (benchmarks/bench_load_plan.py), max / mean bytes read per rank at
+#: DP16 / DP64 with 8 MiB slabs: 2 per owner 1.19 / 1.22, 4: 1.17 / 1.16, 8: 1.10 / 1.16.
+SLABS_PER_UNIT = 8
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,6 +68,7 @@ class PlanBuilder:
         # holder set -> (owner units, slabs): slabs are settled per holder set at the end
         self.groups: dict[tuple[int, ...], tuple[list[list[int]], list[Any]]] = {}
         self._by_host: dict[tuple[tuple[int, ...], Any], list[int]] = {}
+        self._split: dict[tuple[tuple[int, ...], Any], tuple[list[int], list[int]]] = {}
 
     # -- units and sources -------------------------------------------------------------
     def units(self, wanters: Sequence[int]) -> list[list[int]]:
@@ -105,63 +112,100 @@ class PlanBuilder:
                 group = self.groups.get(wanters)
                 if group is None:
                     group = self.groups[wanters] = (self.units(wanters), [])
-                parts = max(1, (hi - lo) * rb // self.split_bytes) if self.split_bytes > 0 else 1
-                rows = split_rows(lo, hi, min(len(group[0]), parts)) if chunk.sizes else [(0, 1)]
-                for a, b in rows:
-                    group[1].append(((b - a) * rb if chunk.sizes else meta.itemsize, name, index, a, b,
-                                     meta, members))
+                group[1].append(((hi - lo) * rb if chunk.sizes else meta.itemsize, name, index, lo, hi,
+                                 meta, members, rb if chunk.sizes else 0))
+
+    def _cut(self, n_units: int, intervals: list[Any]) -> list[Any]:
+        """A holder set's intervals cut into row slabs of about ``target`` bytes: at least
+        ``split_bytes`` and at least the set's bytes / (SLABS_PER_UNIT x units), so the
+        owners get several slabs each (balance) without slabs smaller than the fixed costs
+        justify. Heaviest first (ties by name, chunk, row)."""
+        total = sum(i[0] for i in intervals)
+        target = max(self.split_bytes, -(-total // (SLABS_PER_UNIT * n_units)))
+        out = []
+        for nbytes, name, index, lo, hi, meta, members, rb in intervals:
+            parts = max(1, min(-(-nbytes // target), nbytes // self.split_bytes)) if self.split_bytes > 0 and rb else 1
+            for a, b in split_rows(lo, hi, parts):
+                out.append(((b - a) * rb if rb else nbytes, name, index, a, b, meta, members))
+        out.sort(key=lambda s: (-s[0], s[1], s[2], s[3]))
+        return out
 
     def _settle(self, units: list[list[int]], slabs: list[Any]) -> None:
-        """Owners of one holder set's slabs: heaviest first to the unit with the fewest
-        bytes so far (ties to the lower unit); the anchor rotates over the unit's ranks."""
-        slabs.sort(key=lambda s: (-s[0], s[1], s[2], s[3]))
+        """Owners of one holder set's slabs: heaviest first to the unit whose ranks read the
+        fewest bytes of this set so far (ties to the lower unit); the anchor rotates over
+        the unit's ranks. A slab's boxes may be read by ranks of other units (the nearest
+        holders), and those ranks' units are charged, so a lazy heap refreshes stale loads."""
+        slabs = self._cut(len(units), slabs)
+        unit_of = {r: u for u, unit in enumerate(units) for r in unit}
+        loads = [0] * len(units)
         heap = [(0, u) for u in range(len(units))]
         taken = [0] * len(units)
-        for nbytes, name, index, a, b, meta, members in slabs:
-            load, u = heap[0]
-            heapq.heapreplace(heap, (load + nbytes, u))
+        for _, name, index, a, b, meta, members in slabs:
+            while heap[0][0] != loads[heap[0][1]]:
+                heapq.heapreplace(heap, (loads[heap[0][1]], heap[0][1]))
+            u = heap[0][1]
             unit = units[u]
             anchor = unit[taken[u] % len(unit)]
             taken[u] += 1
-            self._slab(name, index, meta, members, a, b, anchor)
+            for src, stored in self._slab(name, index, meta, members, a, b, anchor):
+                loads[unit_of[src]] += stored
+            heapq.heapreplace(heap, (loads[u], u))
 
     def _slab(self, name: str, index: int, meta: Any, members: Sequence[Piece], a: int, b: int,
-              anchor: int | None) -> None:
+              anchor: int | None) -> list[tuple[int, int]]:
+        """Emit the boxes of rows [a, b); returns (source rank, stored bytes) per broadcast."""
         subs: dict[tuple[Any, ...], list[Any]] = {}
         for piece in members:
             offsets, sizes = sub_box(piece, a, b)
             entry = subs.setdefault((offsets, sizes, piece[2]), [set(), True])
             entry[0].update(piece[3])
             entry[1] = entry[1] and piece[4]
+        charged = []
         for (offsets, sizes, dtype), (ranks, ok) in subs.items():
-            self._emit(name, index, meta, offsets, sizes, dtype, tuple(sorted(ranks)), ok, anchor)
+            got = self._emit(name, index, meta, offsets, sizes, dtype, tuple(sorted(ranks)), ok, anchor)
+            if got is not None:
+                charged.append(got)
+        return charged
+
+    def _split_host(self, ranks: tuple[int, ...], src: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(holders on ``src``'s host other than src, the broadcast group: src + other hosts)."""
+        if not self.auto:
+            return (), ranks
+        key = (ranks, self.host[src])
+        split = self._split.get(key)
+        if split is None:
+            here = self.host[src]
+            split = ([r for r in ranks if self.host[r] == here], [r for r in ranks if self.host[r] != here])
+            self._split[key] = split
+        near, far = split
+        return tuple(r for r in near if r != src), (tuple(sorted((src, *far))) if far else ())
 
     def _emit(self, name: str, index: int, meta: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
-              dtype: str, ranks: tuple[int, ...], ok: bool, anchor: int | None) -> None:
+              dtype: str, ranks: tuple[int, ...], ok: bool, anchor: int | None) -> tuple[int, int] | None:
         numel = math.prod(sizes)
         stored = numel * meta.itemsize
         nbytes = numel * (dtype_itemsize(dtype) if dtype else meta.itemsize)
         self.unique += stored
         item = ReadItem(name, index, offsets, sizes, nbytes, ranks, None, dtype)
         if anchor is None or not (self.broadcast and ok and len(ranks) > 1):
-            return self._local(item, ranks, stored)
+            self._local(item, ranks, stored)
+            return None
         if self.custom:
             if self.auto and len({self.host[r] for r in ranks}) == 1:
-                return self._local(item, ranks, stored)
-            self.candidates.append(item)
+                self._local(item, ranks, stored)
+            else:
+                self.candidates.append(item)
             return None
         src = self.source(ranks, anchor)
-        near = [r for r in ranks if self.auto and self.host[r] == self.host[src]]
-        far = [r for r in ranks if not (self.auto and self.host[r] == self.host[src])]
-        if not far:
-            return self._local(item, ranks, stored)
-        group = tuple(sorted({src, *far}))
+        rest, group = self._split_host(ranks, src)
+        if not group:
+            self._local(item, ranks, stored)
+            return None
         self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
         self.loads[src] += stored
-        rest = tuple(r for r in near if r != src)
         if rest:
             self._local(item, rest, stored)
-        return None
+        return src, stored
 
     def _local(self, item: ReadItem, ranks: tuple[int, ...], stored: int) -> None:
         self.local.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,

@@ -37,12 +37,15 @@ BROADCASTABLE = 1
 #: (informational: destinations without views receive through a staging tensor).
 VIEWS = 2
 
-#: Shared row intervals of at least twice this size are split into row slabs (at least
-#: this big, at most one per owner) read by different owners, so that one huge tensor (an
-#: embedding, an lm_head) does not make its reader the slowest rank. 16 MiB keeps the fixed
-#: costs per slab small: ~10 us per narrowed read (dcp-reader README), ~145 us per broadcast
-#: on Ascend against ~0.5 ms to move 16 MiB at 33 GiB/s (dcp-broadcast README).
-SPLIT_BYTES = 16 * 1024 * 1024
+#: Smallest row slab a shared interval is cut into (see ``_owners.SLABS_PER_UNIT`` for how
+#: many): huge tensors (an embedding, an lm_head) are read by several owners, and each
+#: holder set's owners get several slabs to balance. Measured on the 70B-like plan of
+#: benchmarks/bench_load_plan.py (TP8 x PP8 x DP16 / DP64), max / mean bytes read per rank:
+#: 16 MiB slabs 1.15 / 1.44, 8 MiB slabs 1.10 / 1.16 (the earlier whole-job greedy planner:
+#: 1.10 / 1.14). 8 MiB keeps the fixed costs per slab moderate: ~10 us per narrowed read
+#: (dcp-reader README), ~145 us per broadcast on Ascend against ~240 us to move 8 MiB at
+#: 33 GiB/s (dcp-broadcast README).
+SPLIT_BYTES = 8 * 1024 * 1024
 
 #: What a rank holds, per box of a tensor entry: (name, offsets, sizes, flags, dtype).
 #: ``dtype`` is the destination's neutral dtype name (it may differ from the checkpoint's:
