@@ -163,7 +163,7 @@ def load(
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
             caps = platform.capabilities
-            wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast)) for t in targets]
+            wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast)) for t in targets for b in t.boxes]
         except _Reported:
             pass
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too

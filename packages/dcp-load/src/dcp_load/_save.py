@@ -135,7 +135,7 @@ def save(
             if is_tensor(leaf.value):
                 t = target_for(leaf)
                 targets[t.name] = t
-                holdings.append((t.name, t.offsets, t.sizes, t.dtype, t.global_shape))
+                holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)
             else:
                 values[leaf.name] = leaf.value
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
@@ -164,7 +164,7 @@ def save(
         if mine:
             from dcp_reader import chunk_key
 
-            data = {chunk_key(i.name, i.offsets): targets[i.name].local for i in mine}
+            data = {chunk_key(i.name, i.offsets): targets[i.name].view(i.offsets, i.sizes) for i in mine}
             writer.write_file(_file_name(me), data)
             written, nbytes = len(mine), sum(i.nbytes for i in mine)
         if me == 0:

@@ -57,10 +57,9 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
         if meta.dtype != t.dtype:
             dtype_bad.append(f"{t.name!r} (state dict {t.dtype}, checkpoint {meta.dtype})")
             continue
-        covered = sum(math.prod(s) for _, _, s in intersect(meta.chunks, t.offsets, t.sizes))
-        if covered < t.numel:
-            coverage_bad.append(f"{t.name!r} box offsets={t.offsets} sizes={t.sizes}: "
-                                f"{covered} of {t.numel} elements saved")
+        short = _uncovered(meta.chunks, t)
+        if short:
+            coverage_bad.append(f"{t.name!r} {short}")
             continue
         keep_t.append(t)
     for leaf in values:
@@ -86,6 +85,15 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
         errors.append(f"the checkpoint's chunks do not cover {len(coverage_bad)} wanted box(es): "
                       f"{summarise(coverage_bad)}; the checkpoint is incomplete")
     return errors, keep_t, keep_v, (missing if not strict else [])
+
+
+def _uncovered(chunks: Any, target: Target) -> str:
+    """A description of the first box of ``target`` the saved chunks do not cover, or ''."""
+    for box in target.boxes:
+        covered = sum(math.prod(s) for _, _, s in intersect(chunks, box.offsets, box.sizes))
+        if covered < box.numel:
+            return f"box offsets={box.offsets} sizes={box.sizes}: {covered} of {box.numel} elements saved"
+    return ""
 
 
 def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
