@@ -204,4 +204,92 @@ def fsdp2_tp_cases(rank: int, world: int, root: str) -> dict[str, Any]:
         for layout in ("fsdp_tp", "tp", "fsdp", "single"):
             _scenario(out, f"{layout}<-{source}", _load, root, layout, source)
             dist.barrier()
+    dtensor_edge_cases(out, root)
     return out
+
+
+# -- DTensor edge cases (same launch) ----------------------------------------------------------
+def _strided_1d(root: str) -> list[str]:
+    """A _StridedShard alone on a 1-D mesh of 4: each rank's rows are not contiguous (rows
+    r and 4 + r of 8), so its target holds two boxes; save and load must follow torch's own
+    reading of the layout (``full_tensor``)."""
+    import dcp_load
+    from dcp_load._state import Leaf
+    from dcp_load._targets import target_for
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    src = distribute_tensor(full, mesh, [_StridedShard(0, split_factor=2)])
+    errors = []
+    boxes = target_for(Leaf("w", src, {}, "w")).boxes
+    if len(boxes) != 2:
+        errors.append(f"expected two boxes, got {boxes}")
+    path = os.path.join(root, "strided")
+    dcp_load.save({"w": src}, checkpoint_id=path)
+    dest = distribute_tensor(torch.full((8, 3), float("nan")), mesh, [_StridedShard(0, split_factor=2)])
+    dcp_load.load({"w": dest}, checkpoint_id=path)
+    if not torch.equal(dest.full_tensor(), full):
+        errors.append(f"strided load: {dest.full_tensor().tolist()} != {full.tolist()}")
+    whole = torch.full((8, 3), float("nan"))
+    dcp_load.load({"w": whole}, checkpoint_id=path, no_dist=True)
+    rep = distribute_tensor(torch.full((8, 3), float("nan")), mesh, [Replicate()])
+    dcp_load.load({"w": rep}, checkpoint_id=path)
+    for what, got in (("plain", whole), ("replicated", rep.to_local())):
+        if not torch.equal(got, full):
+            errors.append(f"{what} load of the strided save: {got.tolist()}")
+    return errors
+
+
+def _partial() -> list[str]:
+    import dcp_load
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (4,))
+    value = DTensor.from_local(torch.zeros(2), mesh, [Partial()])
+    try:
+        dcp_load.save({"p": value}, checkpoint_id="/nonexistent/never-written")
+    except dcp_load.LoadError as exc:
+        if "Partial" not in str(exc) or "redistribute" not in str(exc):
+            return [f"unclear Partial error: {exc}"]
+        return []
+    return ["a Partial DTensor was saved"]
+
+
+def _not_in_mesh(root: str) -> list[str]:
+    """A DTensor on a mesh of ranks 0 and 1 only: ranks 2 and 3 skip it and say so."""
+    import dcp_load
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0, 1])
+    full = torch.arange(6, dtype=torch.float32)
+    path = os.path.join(root, "half_mesh")
+    dcp_load.save({"a": distribute_tensor(full, mesh, [Shard(0)]), "b": full * 2}, checkpoint_id=path)
+    a = distribute_tensor(torch.full((6,), float("nan")), mesh, [Shard(0)])
+    b = torch.full((6,), float("nan"))
+    report = dcp_load.load({"a": a, "b": b}, checkpoint_id=path)
+    rank = torch.distributed.get_rank()
+    errors = []
+    if not torch.equal(b, full * 2):
+        errors.append(f"b: {b.tolist()}")
+    if rank < 2:
+        if report.skipped_not_in_mesh or not torch.equal(a.to_local(), full[3 * rank:3 * rank + 3]):
+            errors.append(f"rank {rank}: a {a.to_local().tolist()}, skipped {report.skipped_not_in_mesh}")
+    elif report.skipped_not_in_mesh != ("a",):
+        errors.append(f"rank {rank}: skipped_not_in_mesh {report.skipped_not_in_mesh}, expected ('a',)")
+    return errors
+
+
+def dtensor_edge_cases(out: dict[str, Any], root: str) -> None:
+    import torch.distributed as dist
+
+    _scenario(out, "strided_1d", _strided_1d, root)
+    dist.barrier()
+    _scenario(out, "partial", _partial)
+    dist.barrier()
+    _scenario(out, "not_in_mesh", _not_in_mesh, root)
+    dist.barrier()

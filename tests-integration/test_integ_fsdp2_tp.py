@@ -2,8 +2,10 @@
 ``parallelize_module`` over tp and ``fully_shard`` over dp, with AdamW state, saved by
 torch.distributed.checkpoint and by dcp_load.save, loaded into the same layout, TP only,
 FSDP only and one process. Every value, model and optimizer, must equal what
-torch.distributed.checkpoint.load gives for the same poisoned destination. One launch runs
-every scenario (integ_fsdp2_tp_cases.fsdp2_tp_cases).
+torch.distributed.checkpoint.load gives for the same poisoned destination. Also DTensor
+edge cases: a _StridedShard whose rows are not contiguous (several boxes per rank), a
+Partial placement (clear error on every rank), a mesh that leaves out ranks 2 and 3 (they
+skip it and report it). One launch runs every scenario (integ_fsdp2_tp_cases).
 """
 
 from __future__ import annotations
@@ -43,4 +45,9 @@ def test_both_savers_save(results: list[dict]) -> None:
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_load_equals_torch_dcp(results: list[dict], scenario: str) -> None:
+    _ok(results, scenario)
+
+
+@pytest.mark.parametrize("scenario", ["strided_1d", "partial", "not_in_mesh"])
+def test_dtensor_edge_cases(results: list[dict], scenario: str) -> None:
     _ok(results, scenario)

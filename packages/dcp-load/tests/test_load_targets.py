@@ -44,3 +44,28 @@ def test_zero_dim_and_float8_dtype_names():
 def test_unsupported_types_say_what_to_do():
     with pytest.raises(TypeError, match="wrap a hand-sharded one in dcp_load.Chunk"):
         adapter_for(np.zeros(2))
+
+
+def test_box_views_and_multi_box_targets():
+    from dcp_load._targets import Box, Target
+
+    local = torch.zeros(4, 3)
+    # Local rows 0-1 are global rows 2-3, local rows 2-3 are global rows 6-7 (a strided shard).
+    boxes = (Box((2, 0), (2, 3), (0, 0)), Box((6, 0), (2, 3), (2, 0)))
+    t = Target("w", (8, 3), boxes, "float32", local, adapter_for(local))
+    assert t.numel == 12
+    t.adapter.copy(t.view((7, 1), (1, 2)), torch.tensor([[5.0, 6.0]]))
+    assert local[3].tolist() == [0, 5, 6]
+    with pytest.raises(ValueError, match="lies inside none of this rank's boxes"):
+        t.view((3, 0), (4, 3))  # spans both boxes
+    with pytest.raises(ValueError, match="holds 2 boxes of the global tensor, not one: iterate Target.boxes"):
+        _ = t.offsets
+    with pytest.raises(ValueError, match="negative"):
+        Box((-1,), (2,), (0,))
+
+
+def test_runs_compress_index_lists():
+    from dcp_load._targets import _runs
+
+    assert _runs([0, 1, 2, 4, 5, 7]) == [(0, 3, 0), (4, 2, 3), (7, 1, 5)]
+    assert _runs([]) == []

@@ -14,8 +14,8 @@ from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
-from ._targets import Target, target_for
-from ._validate import check_reads, check_targets, exchange
+from ._targets import Target, in_mesh, target_for
+from ._validate import check_launch, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
 
@@ -138,6 +138,7 @@ def load(
         leaves = []
         errors.append(f"{type(exc).__name__}: {exc}")
     platform = resolve_platform(platform, leaves)
+    check_launch(platform, no_dist, "load")
     rank = platform.rank()
     collective = not no_dist and use_collectives and platform.is_distributed()
     broadcast = collective and bool(broadcast_replicated_tensors)
@@ -147,6 +148,7 @@ def load(
     targets: list[Target] = []
     values: list[Any] = []
     missing: list[str] = []
+    outside: list[str] = []
     wants: list[Want] = []
     try:
         try:
@@ -154,6 +156,8 @@ def load(
                 raise _Reported()
             tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
             values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+            outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
+            tensor_leaves = [leaf for leaf in tensor_leaves if in_mesh(leaf.value)]
             targets = [target_for(leaf) for leaf in tensor_leaves]
             if reader is None:
                 from dcp_reader import open_checkpoint
@@ -217,6 +221,7 @@ def load(
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
         job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing),
+        skipped_not_in_mesh=tuple(outside),
     )
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
                  "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],

@@ -21,6 +21,8 @@ class LoadReport:
     the distinct boxes any rank wanted (a read-once load has ``read_amplification`` 1.0).
     ``seconds``: wall time per phase (``prepare``, ``plan``, ``validate``, ``execute``,
     ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``.
+    ``skipped_not_in_mesh``: DTensor entries whose device mesh does not include this rank
+    (it holds no part of them, so nothing is loaded into them).
     """
 
     rank: int
@@ -38,6 +40,7 @@ class LoadReport:
     job_unique_bytes: int
     seconds: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    skipped_not_in_mesh: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
@@ -46,6 +49,7 @@ class LoadReport:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "seconds", dict(self.seconds))
         object.__setattr__(self, "missing", tuple(self.missing))
+        object.__setattr__(self, "skipped_not_in_mesh", tuple(self.skipped_not_in_mesh))
 
     @property
     def read_amplification(self) -> float:

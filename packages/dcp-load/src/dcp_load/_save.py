@@ -22,8 +22,8 @@ from ._errors import LoadError
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
 from ._state import flatten_state_dict, is_tensor
-from ._targets import target_for
-from ._validate import exchange, summarise
+from ._targets import in_mesh, target_for
+from ._validate import check_launch, exchange, summarise
 
 __all__ = ["SaveReport", "save"]
 
@@ -117,6 +117,7 @@ def save(
     path = os.path.abspath(os.fspath(checkpoint_id))
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
+    check_launch(platform, no_dist, "save")
     rank = platform.rank()
     collective = not no_dist and platform.is_distributed()
     world = platform.world_size() if collective else 1
@@ -133,6 +134,8 @@ def save(
             writer.invalidate()  # before any rank writes: old metadata must not describe new files
         for leaf in leaves:
             if is_tensor(leaf.value):
+                if not in_mesh(leaf.value):
+                    continue  # this rank holds no part of it; the mesh's ranks write it
                 t = target_for(leaf)
                 targets[t.name] = t
                 holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)

@@ -18,7 +18,7 @@ from ._plan import ReadItem, intersect
 from ._state import Leaf
 from ._targets import Target
 
-__all__ = ["check_reads", "check_targets", "exchange", "summarise"]
+__all__ = ["check_launch", "check_reads", "check_targets", "exchange", "summarise"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,11 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
     ``strict`` is False).
     """
     errors: list[str] = []
+    meta_dev = [repr(t.name) for t in targets if t.adapter.device_type(t.local) == "meta"]
+    if meta_dev:
+        errors.append(f"{len(meta_dev)} destination tensor(s) are on the 'meta' device, which holds no "
+                      f"memory to load into: {summarise(meta_dev)}; materialise them first (for example "
+                      "model.to_empty(device='cpu') or device='cuda') and load into the result")
     missing: list[str] = []
     shape_bad: list[str] = []
     dtype_bad: list[str] = []
@@ -94,6 +99,24 @@ def _uncovered(chunks: Any, target: Target) -> str:
         if covered < box.numel:
             return f"box offsets={box.offsets} sizes={box.sizes}: {covered} of {box.numel} elements saved"
     return ""
+
+
+def check_launch(platform: Any, no_dist: bool, caller: str) -> None:
+    """Refuse to run as a world of one when the launcher started several processes.
+
+    torchrun (and other launchers) set ``WORLD_SIZE``; without a process group each process
+    would load or save alone, unaware of the others. Raised locally: there is no group to
+    tell the other ranks through, and every one of them finds the same thing.
+    """
+    world = os.environ.get("WORLD_SIZE", "")
+    if no_dist or not world.isdigit() or int(world) <= 1 or platform.is_distributed():
+        return
+    raise RuntimeError(
+        f"{caller}: WORLD_SIZE={world} is set (a launcher such as torchrun started {world} processes) but "
+        "no process group is initialised, so this process would run as a world of one: call "
+        "torch.distributed.init_process_group(backend=...) (for example backend='gloo' on CPU, 'nccl' on "
+        f"CUDA) before {caller}, or pass no_dist=True to {caller} this rank's tensors on their own"
+    )
 
 
 def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
