@@ -4,6 +4,8 @@ launcher's WORLD_SIZE without a process group, keys that miss the checkpoint's b
 
 from __future__ import annotations
 
+import re
+
 import dcp_load
 import pytest
 import torch
@@ -31,3 +33,25 @@ def test_world_size_without_process_group_says_what_to_call(ckpt, monkeypatch):
         dcp_load.save({"w": w}, checkpoint_id=ckpt + "2")
     dcp_load.load({"w": w}, checkpoint_id=ckpt, strict=False, no_dist=True)
     assert w.tolist() == list(range(6))
+
+
+def test_error_message_lists_each_cause_once_with_its_ranks():
+    cause = "'w': shape mismatch (state dict (4, 4), checkpoint (8, 4)); build the model with the checkpoint's shapes"
+    sizes = {}
+    for world in (2, 4, 1000):
+        err = LoadError({r: [cause] for r in range(world)}, "validate")
+        assert str(err).count(cause) == 1
+        assert f"ranks 0-{world - 1}: {cause}" in str(err)
+        assert err.failures == {r: (cause,) for r in range(world)}
+        sizes[world] = len(re.sub(r"\d+", "N", str(err)))  # numbers are the only part that names the world
+    assert sizes[2] == sizes[4] == sizes[1000]
+    assert len(str(err)) < 2 * len(cause) + 100
+
+
+def test_error_message_groups_ranks_and_bounds_scattered_ones():
+    err = LoadError({0: ["a"], 1: ["a", "b"], 2: ["a"], 3: ["a"], 5: ["a"], 7: ["b"]}, "execute")
+    assert "  ranks 0-3, 5: a" in str(err) and "  ranks 1, 7: b" in str(err)
+    scattered = LoadError({r: ["x"] for r in range(0, 2000, 2)}, "validate")
+    assert len(str(scattered)) < 300 and "... and 992 more" in str(scattered)
+    many = LoadError({r: [f"rank {r} holds a different shape"] for r in range(1000)}, "validate")
+    assert len(str(many)) < 2000 and "980 more distinct cause(s)" in str(many)
