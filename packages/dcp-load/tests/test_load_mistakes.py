@@ -55,3 +55,30 @@ def test_error_message_groups_ranks_and_bounds_scattered_ones():
     assert len(str(scattered)) < 300 and "... and 992 more" in str(scattered)
     many = LoadError({r: [f"rank {r} holds a different shape"] for r in range(1000)}, "validate")
     assert len(str(many)) < 2000 and "980 more distinct cause(s)" in str(many)
+
+
+def test_a_prefix_the_checkpoint_lacks_is_named_with_nearest_keys(ckpt):
+    state = {"model": {"w": torch.zeros(6), "b": torch.zeros(2)}}
+    with pytest.raises(LoadError, match=r"prefix 'model\.' the checkpoint's keys lack.*nearest checkpoint keys: "
+                                        r"'model\.w' -> 'w'"):
+        dcp_load.load(state, checkpoint_id=ckpt)
+    # Following the old advice (strict=False) must not succeed with nothing loaded.
+    with pytest.raises(LoadError, match=r"strict=False, but none of the state dict's 2 key\(s\) is in the "
+                                        r"checkpoint.*prefix 'model\.'"):
+        dcp_load.load(state, checkpoint_id=ckpt, strict=False)
+
+
+def test_a_prefix_the_state_dict_lacks_is_named(tmp_path):
+    path = str(tmp_path / "nested")
+    dcp_load.save({"model": {"w": torch.arange(3.0)}}, checkpoint_id=path, no_dist=True)
+    with pytest.raises(LoadError, match=r"the checkpoint's keys carry a prefix 'model\.' that 1 of the 1"):
+        dcp_load.load({"w": torch.zeros(3)}, checkpoint_id=path)
+
+
+def test_non_strict_load_that_leaves_keys_unloaded_warns(ckpt, caplog):
+    w, extra = torch.zeros(6), torch.full((2,), 5.0)
+    with caplog.at_level("WARNING", logger="dcp_load"):
+        report = dcp_load.load({"w": w, "extra": extra}, checkpoint_id=ckpt, strict=False)
+    assert report.missing == ("extra",) and w.tolist() == list(range(6)) and extra.tolist() == [5.0, 5.0]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "1 key(s)" in caplog.text and "'extra'" in caplog.text

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._errors import LoadError
+from ._keys import missing_advice
 from ._plan import ReadItem, intersect
 from ._state import Leaf
 from ._targets import Target
@@ -74,10 +75,8 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
             kind_bad.append(f"{leaf.name!r} (state dict: {type(leaf.value).__name__} value, checkpoint: tensor)")
         else:
             missing.append(leaf.name)
-    if missing and strict:
-        errors.append(f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
-                      f"{summarise([repr(n) for n in missing])}; remove them from the state dict or pass strict=False "
-                      "to load the rest")
+    errors.extend(_missing_errors(missing, [*metadata.tensors, *metadata.values], strict,
+                                  loaded=len(keep_t) + len(keep_v)))
     if shape_bad:
         errors.append(f"shape mismatch for {len(shape_bad)} tensor(s): {summarise(shape_bad)}; "
                       "build the model with the checkpoint's shapes")
@@ -90,6 +89,25 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
         errors.append(f"the checkpoint's chunks do not cover {len(coverage_bad)} wanted box(es): "
                       f"{summarise(coverage_bad)}; the checkpoint is incomplete")
     return errors, keep_t, keep_v, (missing if not strict else [])
+
+
+def _missing_errors(missing: Sequence[str], saved: Sequence[str], strict: bool, loaded: int) -> list[str]:
+    """The error for keys the checkpoint lacks (strict), or for a non-strict load that would
+    load nothing at all; a non-strict load that leaves some keys unloaded warns instead."""
+    if not missing:
+        return []
+    names = summarise([repr(n) for n in missing])
+    advice = missing_advice(missing, saved)
+    advice = f"; {advice}" if advice else ""
+    if strict:
+        return [f"{len(missing)} key(s) of the state dict are missing from the checkpoint: {names}{advice}; "
+                "rename them to match, remove them from the state dict, or pass strict=False to load the rest"]
+    if not loaded:
+        return [f"strict=False, but none of the state dict's {len(missing)} key(s) is in the checkpoint, so "
+                f"nothing would be loaded: {names}{advice}"]
+    logger.warning("strict=False: %d key(s) of the state dict are not in the checkpoint and keep their "
+                   "current values: %s", len(missing), summarise([repr(n) for n in missing], limit=5))
+    return []
 
 
 def _uncovered(chunks: Any, target: Target) -> str:
