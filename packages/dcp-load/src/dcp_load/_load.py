@@ -8,6 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._aliases import resolve_aliases
 from ._errors import LoadError
 from ._execute import execute
 from ._hosts import host_id
@@ -110,6 +111,7 @@ def load(
     strict: bool = True,
     platform: Any = None,
     allow_pickle: bool = False,
+    tied_weights: Mapping[str, str] | None = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
 
@@ -125,6 +127,11 @@ def load(
     ``strict=False`` skips entries the checkpoint lacks (listed in the report).
     ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
     ``allow_pickle``: allow pickled non-tensor values (torch DCP checkpoints store them so).
+    ``tied_weights``: for keys that hold one tensor (tied weights, found by shared memory),
+    ``{key: key_whose_value_it_takes}``, for example
+    ``{"lm_head.weight": "model.embed_tokens.weight"}``. Tied keys are loaded once; when the
+    checkpoint's values of tied keys differ, the load fails unless this names the winner.
+    A tied key the checkpoint lacks is filled through one it holds.
 
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
@@ -149,6 +156,7 @@ def load(
     values: list[Any] = []
     missing: list[str] = []
     outside: list[str] = []
+    tied: list[tuple[str, str]] = []
     wants: list[Want] = []
     try:
         try:
@@ -164,6 +172,8 @@ def load(
 
                 reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle)
                 owned = True
+            errs, targets, tied = resolve_aliases(targets, reader, tied_weights)
+            errors.extend(errs)
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
             caps = platform.capabilities
@@ -221,7 +231,7 @@ def load(
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
         job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing),
-        skipped_not_in_mesh=tuple(outside),
+        skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
                  "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],
