@@ -64,7 +64,10 @@ def resolve_platform(platform: Any, leaves: Any) -> Any:
     for leaf in leaves:
         if is_tensor(leaf.value):
             value = leaf.value.tensor if isinstance(leaf.value, Chunk) else leaf.value
-            return get_platform(tensor=value)
+            try:
+                return get_platform(tensor=value)
+            except ValueError:
+                break  # an unsupported tensor type: target_for reports it through the exchange
     return get_platform(os.environ.get("DCP_PLATFORM") or "torch")
 
 
