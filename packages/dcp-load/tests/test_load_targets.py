@@ -69,3 +69,59 @@ def test_runs_compress_index_lists():
 
     assert _runs([0, 1, 2, 4, 5, 7]) == [(0, 3, 0), (4, 2, 3), (7, 1, 5)]
     assert _runs([]) == []
+
+
+def _placements_strategy():
+    from hypothesis import strategies as st
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    @st.composite
+    def layout(draw):
+        ndim = draw(st.integers(1, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+        mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+        kinds = [draw(st.sampled_from(["R", "S", "SS"])) for _ in mesh]
+        placements = []
+        for kind in kinds:
+            dim = draw(st.integers(0, ndim - 1))
+            placements.append(Replicate() if kind == "R" else Shard(dim) if kind == "S"
+                              else _StridedShard(dim, split_factor=draw(st.integers(1, 4))))
+        return shape, mesh, placements
+    return layout()
+
+
+def test_boxes_partition_the_tensor_as_torch_shards_it():
+    """For any mesh and any mix of Shard, _StridedShard and Replicate: each rank's boxes tile
+    its local shape as torch computes it, start at torch's global offset, and every global
+    element is held by exactly the ranks that replicate it."""
+    import itertools
+    import math
+
+    from dcp_load._targets import boxes_at
+    from hypothesis import given, settings
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    @settings(max_examples=150, deadline=None)
+    @given(_placements_strategy())
+    def check(layout):
+        shape, mesh, placements = layout
+        counts = torch.zeros(shape, dtype=torch.int64)
+        for coord in itertools.product(*(range(m) for m in mesh)):
+            boxes = boxes_at(shape, mesh, list(coord), placements)
+            local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+            if math.prod(local) == 0:
+                assert sum(b.numel for b in boxes) == 0
+                continue
+            assert sum(b.numel for b in boxes) == math.prod(local)
+            assert boxes[0].offsets == tuple(offset)
+            seen = torch.zeros(local, dtype=torch.int64)
+            for b in boxes:
+                seen[tuple(slice(o, o + n) for o, n in zip(b.local_offsets, b.sizes, strict=True))] += 1
+                counts[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes, strict=True))] += 1
+            assert bool((seen == 1).all())
+        replicas = math.prod(m for m, p in zip(mesh, placements, strict=True) if isinstance(p, Replicate))
+        assert bool((counts == replicas).all())
+
+    check()

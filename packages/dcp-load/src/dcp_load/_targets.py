@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from ._state import Chunk, Leaf
 
-__all__ = ["Box", "FrameworkAdapter", "Target", "adapter_for", "in_mesh", "target_for"]
+__all__ = ["Box", "FrameworkAdapter", "Target", "adapter_for", "boxes_at", "dim_indices", "in_mesh", "target_for"]
 
 
 class FrameworkAdapter(Protocol):
@@ -250,19 +250,10 @@ def _runs(index: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _dim_indices(tensor: Any, coordinate: Sequence[int]) -> dict[int, list[int]]:
-    """For each sharded dim, the global index of every local position along it.
-
-    Walks the placements left to right as torch's ``_compute_local_shape_and_global_offset``
-    does, calling torch's own per-placement step (``_get_shard_size_and_offsets``, which
-    applies ``Shard`` and ``_StridedShard`` splitting) and keeping every index instead of
-    only the first.
-    """
+def _check_placements(placements: Sequence[Any]) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    placements = tuple(tensor.placements)
     partial = [p for p in placements if p.is_partial()]
     if partial:
         raise TypeError(f"DTensor placements {list(placements)}: a Partial placement holds unreduced "
@@ -272,17 +263,42 @@ def _dim_indices(tensor: Any, coordinate: Sequence[int]) -> dict[int, list[int]]
     if other:
         raise TypeError(f"DTensor placements {list(placements)}: {other} not supported (Shard, "
                         "_StridedShard and Replicate are); redistribute first")
-    shape = [int(s) for s in tensor.shape]
-    mesh = tensor.device_mesh
+
+
+def dim_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                placements: Sequence[Any]) -> dict[int, list[int]]:
+    """For each sharded dim, the global index of every local position along it, at
+    ``coordinate`` of a mesh of ``mesh_shape``.
+
+    Walks the placements left to right as torch's ``_compute_local_shape_and_global_offset``
+    does, calling torch's own per-placement step (``_get_shard_size_and_offsets``, which
+    applies ``Shard`` and ``_StridedShard`` splitting) and keeping every index instead of
+    only the first.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    _check_placements(placements)
+    shape = [int(s) for s in global_shape]
     index: dict[int, Any] = {}
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             continue
-        size, offsets = _get_shard_size_and_offsets(shape[p.dim], mesh.size(mesh_dim), coordinate[mesh_dim], p,
-                                                    index.get(p.dim), int(tensor.shape[p.dim]), False)
+        size, offsets = _get_shard_size_and_offsets(shape[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p,
+                                                    index.get(p.dim), int(global_shape[p.dim]), False)
         shape[p.dim] = size
         index[p.dim] = offsets[:size]
     return {d: [int(i) for i in idx.tolist()] for d, idx in index.items()}
+
+
+def boxes_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+             placements: Sequence[Any]) -> tuple[Box, ...]:
+    """The boxes the rank at ``coordinate`` holds: runs of consecutive global indices along
+    each dim, crossed (none when it holds no element)."""
+    indices = dim_indices(global_shape, mesh_shape, coordinate, placements)
+    per_dim = [_runs(indices[d]) if d in indices else [(0, int(n), 0)] for d, n in enumerate(global_shape)]
+    return tuple(Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
+                 for combo in itertools.product(*per_dim))
 
 
 def _dtensor_boxes(tensor: Any, coordinate: Sequence[int]) -> tuple[tuple[Box, ...], Any]:
@@ -290,20 +306,19 @@ def _dtensor_boxes(tensor: Any, coordinate: Sequence[int]) -> tuple[tuple[Box, .
     if local.requires_grad:
         local = local.detach()
     global_shape = tuple(int(s) for s in tensor.shape)
-    indices = _dim_indices(tensor, coordinate)
-    per_dim = [_runs(indices[d]) if d in indices else [(0, n, 0)] for d, n in enumerate(global_shape)]
-    if tuple(local.shape) != tuple(sum(r[1] for r in runs) for runs in per_dim) or local.numel() == 0:
-        # An empty shard (or a shape torch's rule does not give): one box, as torch computes it.
+    mesh_shape = tuple(tensor.device_mesh.shape)
+    boxes = boxes_at(global_shape, mesh_shape, coordinate, tensor.placements)
+    if local.numel() == 0 or not boxes:
+        # An empty shard: one empty box where torch places it, so that the tensor is still named.
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-        if tuple(sizes) != tuple(local.shape):
-            raise ValueError(f"DTensor of global shape {global_shape} with placements {list(tensor.placements)}: "
-                             f"local shape {tuple(local.shape)} differs from the {tuple(sizes)} torch computes")
-        return (Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), (0,) * len(sizes)),), local
-    boxes = [Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
-             for combo in itertools.product(*per_dim)]
-    return tuple(boxes), local
+        boxes = (Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), (0,) * len(sizes)),)
+    held = tuple(max(b.local_offsets[d] + b.sizes[d] for b in boxes) for d in range(len(global_shape)))
+    if held != tuple(local.shape):
+        raise ValueError(f"DTensor of global shape {global_shape} with placements {list(tensor.placements)}: "
+                         f"its local shape {tuple(local.shape)} differs from the {held} torch's sharding gives")
+    return boxes, local
 
 
 def _is_dtensor(value: Any) -> bool:
