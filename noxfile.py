@@ -107,5 +107,6 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with torch.distributed.checkpoint; JSON in bench-results/."""
-    _install(session, "safetensors>=0.4.3", "matplotlib>=3.8")
+    # fastsafetensors: the peer loader measured in the same run (benchmarks/_bench_loaders.py).
+    _install(session, "safetensors>=0.4.3", "matplotlib>=3.8", "fastsafetensors>=0.5")
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _bench_throttle as _throttle
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
@@ -309,6 +311,7 @@ class CollectiveCounter:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}  # time inside top-level calls, by name
         self._saved: dict[str, Any] = {}
         self._local = threading.local()
 
@@ -329,10 +332,13 @@ class CollectiveCounter:
             if depth == 0:
                 self.counts[name] = self.counts.get(name, 0) + 1
             self._local.depth = depth + 1
+            t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 self._local.depth = depth
+                if depth == 0:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
 
         return counted
 
@@ -359,10 +365,15 @@ def now() -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One measured load. ``method``: dcp | dcp-reread | dcp-auto | torch | safetensors.
+    """One measured load. ``method``: one of ``_bench_loaders.METHODS``.
 
     ``simulate_hosts``: each simulated node gets its own ``DCP_HOST_ID``, so dcp's "auto"
-    mode sees the nodes as separate hosts (as on a cluster).
+    mode sees the nodes as separate hosts (as on a cluster). ``fmt``: the files' format,
+    ``hf`` (safetensors + index) or ``torch_dcp`` (torch.distributed.checkpoint's default
+    writer). ``verify_dir``: the HF checkpoint holding the same tensors, to check the loaded
+    values against (default: the node's own checkpoint, which must then be HF).
+    ``cgroups``: blkio cgroup directories (``_bench_throttle``); node k's ranks run the
+    measured load inside ``cgroups[k]``, or all inside ``cgroups[0]`` when there is one.
     """
 
     method: str
@@ -377,10 +388,22 @@ class Run:
     sample_memory: bool = True
     warmup_dir: str | None = None  # a checkpoint of warmup_spec(spec), loaded first
     simulate_hosts: bool = False
+    fmt: str = "hf"
+    verify_dir: str | None = None
+    cgroups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.method not in ("dcp", "dcp-reread", "dcp-auto", "torch", "safetensors"):
-            raise ValueError(f"unknown method {self.method!r}")
+        from _bench_loaders import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.fmt not in ("hf", "torch_dcp"):
+            raise ValueError(f"unknown checkpoint format {self.fmt!r}: hf or torch_dcp")
+        if self.fmt != "hf" and self.verify and self.verify_dir is None:
+            raise ValueError(f"a {self.fmt} checkpoint is verified against an HF copy: give verify_dir")
+        if self.cgroups and len(self.cgroups) not in (1, len(self.ckpt_dirs)):
+            raise ValueError(f"{len(self.cgroups)} cgroups for {len(self.ckpt_dirs)} nodes: give one "
+                             "per node (per-node link) or one for all (shared file system)")
         if len(self.ckpt_dirs) * self.ranks_per_node < self.dp * self.tp:
             raise ValueError(f"{len(self.ckpt_dirs)} node copies x {self.ranks_per_node} ranks "
                              f"cannot hold {self.dp * self.tp} ranks")
@@ -461,42 +484,6 @@ def verify_state_dict(run: Run, ckpt: str, local: dict[str, Any], tp_rank: int) 
     return len(run.spec.tensors())
 
 
-def _do_load(run: Run, sd: dict[str, Any], ckpt: str, distributed: bool) -> dict[str, Any]:
-    """The measured call. Returns what the loader itself reports."""
-    if run.method in ("dcp", "dcp-reread", "dcp-auto"):
-        from dcp_load import load
-
-        mode: bool | str = {"dcp": True, "dcp-reread": False, "dcp-auto": "auto"}[run.method]
-        rep = load(sd, checkpoint_id=ckpt, no_dist=not distributed,
-                   broadcast_replicated_tensors=mode,
-                   broadcast_batch_bytes=run.batch_bytes)
-        out = {"report_bytes_read": getattr(rep, "bytes_read", None),
-               "report_bytes_received": getattr(rep, "bytes_received", None),
-               "report_broadcasts": getattr(rep, "broadcasts", None)}
-        secs = getattr(rep, "seconds", None)
-        if secs is not None:
-            out["report_seconds"] = dict(secs) if hasattr(secs, "items") else (
-                dataclasses.asdict(secs) if dataclasses.is_dataclass(secs) else secs)
-        return out
-    if run.method == "torch":
-        import torch.distributed.checkpoint as tdcp
-
-        tdcp.load(sd, storage_reader=tdcp.HuggingFaceStorageReader(ckpt), no_dist=not distributed)
-        return {}
-    if run.method == "safetensors":
-        from safetensors.torch import load_file
-
-        # One file at a time, as a careful user would: each file is materialised whole.
-        index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
-        for fname in sorted(set(index.values())):
-            part = load_file(str(Path(ckpt) / fname))
-            for k, v in part.items():
-                sd[k].copy_(v)
-            del part
-        return {}
-    raise ValueError(run.method)
-
-
 def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     """Entry point of every rank (module level so the launcher can pickle it)."""
     import warnings
@@ -505,34 +492,32 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
 
     warnings.simplefilter("ignore")  # torch DCP warns about no_dist / HF reader details
     distributed = world > 1
-    # Import everything the measured call uses now, so module loading is not measured.
-    if run.method.startswith("dcp"):
-        import dcp_load  # noqa: F401
-    else:
-        import safetensors.torch  # noqa: F401
-        import torch.distributed.checkpoint  # noqa: F401
-        import torch.distributed.checkpoint.hf_storage  # noqa: F401
+    from _bench_loaders import do_load, import_for
+
+    import_for(run.method)  # module loading is not measured
     node = rank // run.ranks_per_node
     ckpt = run.ckpt_dirs[node]
     if run.simulate_hosts:
         os.environ["DCP_HOST_ID"] = f"bench-node-{node}"  # read by dcp_load's "auto" mode
     stamps = {"start": now()}
     mesh = make_mesh(run, distributed)
+    tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
     stamps["mesh"] = now()
     if run.warmup_dir:
         # A load of a tiny checkpoint with the same structure first, by the same method:
         # first-call costs (lazy imports, library code paged in after a cache drop) stay
         # out of the measured load; both loaders get the same warm-up.
-        wsd, _ = build_state_dict(warmup_spec(run.spec), run, rank, mesh)
-        _do_load(run, wsd, run.warmup_dir, distributed)
-        del wsd
+        wsd, wlocal = build_state_dict(warmup_spec(run.spec), run, rank, mesh)
+        do_load(dataclasses.replace(run, spec=warmup_spec(run.spec)), wsd, wlocal, run.warmup_dir,
+                distributed, tp_rank)
+        del wsd, wlocal
     stamps["warmup"] = now()
     sd, local = build_state_dict(run.spec, run, rank, mesh)
     stamps["build"] = now()
-    tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
     import gc
 
     gc.collect()
+    left = _throttle.join(run.cgroups[node % len(run.cgroups)]) if run.cgroups else None
     if distributed:
         dist.barrier()
     drop = None
@@ -548,22 +533,25 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
         sampler.__enter__()
     with counter:
         t0 = now()
-        info = _do_load(run, sd, ckpt, distributed)
+        info = do_load(run, sd, local, ckpt, distributed, tp_rank)
         t1 = now()
     if sampler:
         sampler.__exit__(None, None, None)
     io1 = read_bytes()
+    if left is not None:
+        _throttle.leave(left)  # verification below is not throttled
     if distributed:
         dist.barrier()
     stamps["load"] = now()
-    checked = verify_state_dict(run, ckpt, local, tp_rank) if run.verify else 0
+    checked = verify_state_dict(run, run.verify_dir or ckpt, local, tp_rank) if run.verify else 0
     stamps["verify"] = now()
     dest = sum(t.numel() * t.element_size() for t in local.values())
     del sd, local
     return {
         "rank": rank, "node": node, "t0": t0, "t1": t1, "seconds": t1 - t0,
         "read_bytes": io1 - io0, "dest_bytes": dest, "collectives": dict(counter.counts),
-        "data_collectives": counter.data_collectives, "drop": drop, "verified": checked,
+        "data_collectives": counter.data_collectives,
+        "collective_seconds": dict(counter.seconds), "drop": drop, "verified": checked,
         "memory": sampler.result if sampler else None, "stamps": stamps, **info,
     }
 

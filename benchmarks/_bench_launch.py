@@ -11,6 +11,7 @@ neither loader.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,11 @@ PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.hf_storage", "torch.distributed.tensor",
     "torch.distributed.device_mesh", "torch._dynamo", "safetensors", "safetensors.torch", "dcp_platform",
-    "dcp_reader", "dcp_broadcast", "dcp_load", "_bench_common",
+    "dcp_reader", "dcp_broadcast", "dcp_load", "_bench_common", "_bench_loaders", "_bench_phases",
+    "_bench_throttle", "_bench_fsdp",
 ]
+# Peers are preloaded where they are installed; where one is not, its runs report why.
+PEER_PRELOAD = ["fastsafetensors"]
 
 
 class Launcher:
@@ -30,6 +34,7 @@ class Launcher:
 
     def __init__(self) -> None:
         add_preload(*PRELOAD)
+        add_preload(*[m for m in PEER_PRELOAD if importlib.util.find_spec(m) is not None])
 
     def run(self, fn: Callable[..., Any], world: int, *args: Any, timeout: float = 900.0,
             threads: int | None = None) -> list[Any]:

@@ -14,18 +14,20 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _bench_attrib  # noqa: E402
 import _bench_goals  # noqa: E402
 import bench_load_plan  # noqa: E402
 import bench_load_replicated as rep_mod  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
-from _bench_stats import fmt_bytes, median  # noqa: E402
+import bench_load_throttled  # noqa: E402
+from _bench_stats import fmt_bytes, median, table  # noqa: E402
 
 HEAD = """# Benchmarks: dcp against torch.distributed.checkpoint
 
 Every number below comes from one run of `benchmarks/run_all.py` on the machine described
-here, on the same Hugging Face safetensors files for every loader and with the same
-launcher (real gloo ranks, one fresh process per rank per measurement). Ratios are taken
+here, on the same files for every loader (Hugging Face safetensors; for the resharding
+case, torch DCP's own format) and with the same launcher (real gloo ranks, one fresh process per rank per measurement). Ratios are taken
 inside one repeat (the loaders run one after the other on the same files; the method order
 rotates every repeat) and the median of those per-repeat ratios is given; times are medians
 over the repeats. The raw per-rank results are in `bench-results/<time>.json` (gitignored);
@@ -39,15 +41,22 @@ COMMANDS = """## Commands
 python3 -m nox -s bench                      # = python benchmarks/run_all.py (3 repeats, every scenario)
 python3 -m nox -s bench -- --quick           # smoke run: small sizes, 1 repeat
 
+# the full run that regenerates this file (as root, for drop_caches and the blkio throttle):
+python benchmarks/run_all.py && cp bench-results/latest.md BENCHMARKS.md
+
 # the run reported here (development venv, same code):
 {command}
 ```
 
-Selecting: `--scenarios replicated,small,single,plan`, `--layouts dp4,dp2tp2,dp4tp2`,
-`--modes warm,coldhost,cold`, `--methods` / `--coldhost-methods` / `--cold-methods`,
-`--repeats N` (default 3), `--batch-bytes` (default 6 MiB, `load()`'s default),
-`--ranks-per-node` (default: the TP size), `--plan-ranks 1024,4096`, `--keep` (keep the
-checkpoints in `--workdir`, default `/tmp/dcp-bench`; deleted at the end otherwise).
+Selecting: `--scenarios replicated,throttled,small,single,plan`,
+`--layouts dp4,dp2tp2,dp4tp2,fsdp4-dp2tp2` (the last: the FSDP-style torch DCP checkpoint
+loaded into DP2xTP2), `--modes warm,coldhost,cold`, `--methods` / `--coldhost-methods` /
+`--cold-methods` (methods: dcp, dcp-64k, dcp-reread, dcp-auto, torch, fastsafetensors),
+`--throttle-bps 100M,400M`, `--throttle-layouts dp4,dp2tp2`, `--throttle-methods
+dcp-auto,torch,fastsafetensors`, `--throttle-repeats 1`, `--repeats N` (default 3),
+`--batch-bytes` (default 6 MiB, `load()`'s default), `--ranks-per-node` (default: the TP
+size), `--plan-ranks 1024,4096`, `--keep` (keep the checkpoints in `--workdir`, default
+`/tmp/dcp-bench`; deleted at the end otherwise).
 """
 
 METHOD = """## How it is measured
@@ -93,8 +102,29 @@ METHOD = """## How it is measured
   and a thread sampling `RssAnon` every 2 ms (private memory). Extra = peak minus the value
   right before the load (destinations already allocated).
 - **Collectives.** Inside each rank during the load the `torch.distributed` collective
-  functions are wrapped and top-level calls counted (plan exchange and barriers included);
-  dcp's `LoadReport.broadcasts` counts its data broadcasts.
+  functions are wrapped and top-level calls counted and timed (plan exchange and barriers
+  included); dcp's `LoadReport.broadcasts` counts its data broadcasts.
+- **Resharding case** (`fsdp4-dp2tp2`). The same tensors saved FSDP-style by torch DCP's
+  own writer: 4 gloo ranks each hold a quarter of the rows of every tensor as a DTensor
+  `Shard(0)` on a mesh of 4 and call `torch.distributed.checkpoint.save` (default
+  `FileSystemWriter`: `__k_0.distcp` files and a pickled `.metadata`). It is loaded into
+  DP2xTP2 (placements as above): dcp reads it with `dcp_reader`'s torch DCP format (no
+  pickle is executed), torch DCP with its `FileSystemReader`; values are checked against
+  the HF files.
+- **Throttled storage** (scenario 6). The kernel's block-I/O throttle, cgroup v1
+  `blkio.throttle.read_bps_device` on the disk holding the checkpoints: per-node link (one
+  cgroup per simulated node, each capped at B; node k's ranks move into cgroup k for the
+  load) and shared file system (every rank in one cgroup capped at B). The cgroups are
+  created for each load and removed afterwards, also on failure; the bytes each cgroup read
+  (`blkio.throttle.io_service_bytes`) are kept in the JSON beside `/proc/self/io`.
+- **Peers.** fastsafetensors' `ParallelLoader` over the gloo world group with
+  `nogds=True` (each file read by one rank, every tensor broadcast whole, each rank copies
+  its box), installed from the package index by the bench session. A peer that fails to
+  import or to run is reported with the error, not dropped.
+- **Phase attribution.** dcp: `LoadReport.seconds`. torch DCP: its planner's and reader's
+  public steps (`read_metadata`, `create_local_plan`, `create_global_plan`, `read_data`, ...)
+  timed by wrapping those methods on the instances passed to `load`
+  (`benchmarks/_bench_phases.py`); collectives timed as above.
 """
 
 
@@ -165,6 +195,7 @@ def _headline(res: dict[str, Any]) -> str:
                 t = median([x["summary"]["wall_s"] for x in _r(rep, lay, "warm", "torch")])
                 out.append(f"- {name}, warm page cache, one host, time against torch DCP ({t:.2f} s): "
                            + ", ".join(parts) + ".")
+    out += _throttled_headline(res.get("throttled"))
     small = res.get("small")
     if small:
         by = {}
@@ -191,6 +222,31 @@ def _headline(res: dict[str, Any]) -> str:
                        f"{r['plan_s_median']:.2f} s in one process; each rank sends "
                        f"{fmt_bytes(r['msg_bytes_median'])} and receives {fmt_bytes(r['gathered_bytes'])}.")
     return "\n".join(out)
+
+
+def _throttled_headline(th: dict[str, Any] | None) -> list[str]:
+    if not th:
+        return []
+    if th.get("skipped"):
+        return [f"- Throttled storage: not run ({th['skipped']})."]
+    out = []
+    for bps in th["bps"]:
+        for scen in bench_load_throttled.SCENARIOS:
+            for lay in dict.fromkeys(r["layout"] for r in th["runs"]):
+                rs = [r for r in th["runs"] if r["bps"] == bps and r["mode"] == scen and r["layout"] == lay]
+                d = [r for r in rs if r["method"] == "dcp-auto"]
+                t = [r for r in rs if r["method"] == "torch"]
+                if not d or not t:
+                    continue
+                floor = bench_load_throttled.floor_s(th, d[0])
+                dw = median([r["summary"]["wall_s"] for r in d])
+                tw = median([r["summary"]["wall_s"] for r in t])
+                out.append(f"- {rep_mod.LAYOUT_NAMES[lay]}, storage capped at {bps / 2**20:.0f} MiB/s "
+                           f"({bench_load_throttled.SCENARIO_NAMES[scen]}), cold: dcp {dw:.2f} s "
+                           f"({dw / floor:.2f} x the physical floor {floor:.2f} s), torch DCP {tw:.2f} s "
+                           f"({tw / floor:.2f} x); dcp / torch DCP x"
+                           f"{bench_load_throttled.ratio(th, 'dcp-auto', 'torch', bps=bps, mode=scen, layout=lay):.2f}.")
+    return out
 
 
 def _rule(res: dict[str, Any]) -> str:
@@ -264,50 +320,11 @@ def _rule(res: dict[str, Any]) -> str:
 
 
 def _misses(res: dict[str, Any]) -> str:
+    """Context for the missed goals; each goal's own numbers are in the goals table."""
     rep = res.get("replicated")
     out = ["## Why the missed goals are missed (measured)", ""]
-    unique = rep["unique_bytes"] if rep else 0
-    amp_missed = bool(rep) and any(
-        r["summary"]["read_bytes_total"] / unique > _bench_goals.AMPLIFICATION_SLACK
-        for r in rep["runs"] if r["mode"] == "cold" and r["method"] == "dcp")
-    if amp_missed and rep.get("probe"):
-        p = rep["probe"]
-        lp = p["loaders"]
-        out.append(
-            f"- **Read amplification above 1.00, cold multi-node.** The block device reads ahead "
-            f"{p['read_ahead_kb']} KiB (`read_ahead_kb`), and both readers copy boxes out of memory "
-            f"maps, whose page faults read around the faulting page. Probe in this run: copying one "
-            f"cold {fmt_bytes(p['box_bytes'])} range fetched {fmt_bytes(p['mmap'])} through a plain "
-            f"memory map, {fmt_bytes(p['mmap MADV_RANDOM'])} with `madvise(MADV_RANDOM)` and "
-            f"{fmt_bytes(p['preadv'])} with `preadv`; the first half of the rows of "
-            f"`{lp['tensor']}` ({fmt_bytes(lp['box_bytes'])}) fetched {fmt_bytes(lp['dcp_reader'])} "
-            f"through `dcp_reader.read` and {fmt_bytes(lp['safetensors get_slice'])} through "
-            "safetensors `get_slice`. When the readers of neighbouring boxes sit on different nodes, "
-            "each node fetches the other's bytes as readahead. Row-parallel (dim 1) shards add to "
-            "it: a half row of o_proj is 2 KiB, so both TP halves touch every page of the tensor. "
-            "Fix in dcp-reader: `madvise(MADV_RANDOM)` on its maps (or `preadv` straight into the "
-            "destination for boxes that are contiguous byte ranges); in the planner: give the boxes "
-            "of one saved chunk that share pages (splits along dim >= 1) to readers on one host.")
     if rep:
-        warm = []
-        for lay in dict.fromkeys(r["layout"] for r in rep["runs"]):
-            if _r(rep, lay, "warm", "dcp") and _r(rep, lay, "warm", "torch"):
-                parts = [f"{rep_mod.LAYOUT_NAMES[lay]}: broadcast x{rep_mod.ratio_in_run(rep, lay, 'warm', 'dcp', 'torch'):.2f}"]
-                for m, label in (("dcp-64k", "64 KiB batches"), ("dcp-reread", "every rank reads"),
-                                 ("dcp-auto", "auto (the default)")):
-                    if _r(rep, lay, "warm", m):
-                        parts.append(f"{label} x{rep_mod.ratio_in_run(rep, lay, 'warm', m, 'torch'):.2f}")
-                warm.append((rep_mod.ratio_in_run(rep, lay, "warm", "dcp", "torch"), ", ".join(parts)))
-        if warm and max(w for w, _ in warm) > 1:
-            out.append(
-                "- **Warm single node slower than torch DCP.** Time against torch DCP, "
-                "same repeat: " + "; ".join(t for _, t in warm) + ". On one host every rank can copy "
-                "its boxes out of the shared page cache in parallel, while a gloo broadcast moves "
-                "each replicated byte through loopback TCP once per receiver on 2 shared cores (and "
-                "with 6 MiB batches, packs and unpacks it too). dcp's own phase times above show the "
-                "difference is in `execute`. Re-reading on one host is what the default 'auto' mode "
-                "does (see the rule below); where it is still slower than torch DCP, compare dcp's "
-                "`prepare`/`validate` phases with torch DCP's total in the tables above.")
+        out += _amp_miss(rep) + _warm_miss(rep) + _link_miss(rep, res.get("throttled"))
     small = res.get("small")
     if small:
         sp = small["spec"]
@@ -317,26 +334,85 @@ def _misses(res: dict[str, Any]) -> str:
         if rs and got > total / (6 * 2**20) + 1:
             out.append(
                 f"- **Broadcasts for {sp['count']} small tensors.** dcp made {got} broadcasts per rank "
-                f"for {fmt_bytes(total)} with a 6 MiB threshold. Packing is per (group, source, "
-                f"dtype) and the planner spreads the readers over all {small['dp']} members of the one "
-                f"replica group (fewest bytes first), so each source packs its quarter "
-                f"({fmt_bytes(total / small['dp'])}) into its own batches. Fix: give all boxes below "
-                "the threshold of one group to one reader (or count packed bytes per group, not per "
-                "reader, when balancing).")
-    if rep and rep.get("disk"):
-        bw = median([d["bytes_per_s"] for d in rep["disk"]])
-        walls = [median([r["summary"]["wall_s"] for r in _r(rep, lay, "cold", "dcp")])
-                 for lay in dict.fromkeys(r["layout"] for r in rep["runs"]) if _r(rep, lay, "cold", "dcp")]
-    if rep and rep.get("disk") and walls and max(walls) > 1.2 * unique / bw:
-        out.append(
-            f"- **Cold time against unique bytes / bandwidth.** The simulated nodes share one virtio "
-            f"disk that reads {bw / 1e9:.2f} GB/s sequentially, and the 'network' between them is gloo "
-            "over loopback TCP on 2 shared cores (FACTS.md: ~1.0-1.6 GB/s at best, one copy in and "
-            "one out per receiver). A broadcast here is slower than the disk, so the bound "
-            "(which assumes the interconnect is not the bottleneck) cannot be reached on this machine; "
-            "on a cluster with shared storage the storage side is what the read-once load saves. "
-            "See dcp's own phase times above for where the time goes.")
+                f"for {fmt_bytes(total)} with a 6 MiB threshold: packing is per (group, source, dtype) "
+                f"and the readers are spread over all {small['dp']} members of the one replica group, "
+                f"so each source packs about {fmt_bytes(total / small['dp'])} into its own batches.")
     return "\n".join(out) if len(out) > 2 else ""
+
+
+def _amp_miss(rep: dict[str, Any]) -> list[str]:
+    unique = rep["unique_bytes"]
+    missed = [(lay, median([r["summary"]["read_bytes_total"] for r in _r(rep, lay, "cold", m)]) / unique,
+               median([r["summary"].get("report_bytes_read_total", 0) for r in _r(rep, lay, "cold", m)]) / unique)
+              for lay in dict.fromkeys(r["layout"] for r in rep["runs"])
+              for m in ("dcp-auto",) if _r(rep, lay, "cold", m)]
+    missed = [x for x in missed if x[1] > _bench_goals.AMPLIFICATION_SLACK]
+    if not missed:
+        return []
+    p = rep.get("probe") or {}
+    probe = (f" Readahead probe in this run: one cold {fmt_bytes(p['box_bytes'])} range fetched "
+             f"{fmt_bytes(p['mmap'])} through a plain memory map and {fmt_bytes(p['mmap MADV_RANDOM'])} "
+             f"with MADV_RANDOM (read_ahead_kb = {p['read_ahead_kb']}).") if p else ""
+    return [
+        "- **Storage bytes above the unique bytes, cold, simulated nodes.** "
+        + "; ".join(f"{rep_mod.LAYOUT_NAMES[lay]}: storage {amp:.3f} x unique, dcp's reader's own count "
+                    f"{boxes:.2f} x" for lay, amp, boxes in missed)
+        + ". Where the reader's count is 1.00 the boxes were planned once, so the excess is pages "
+        "fetched by more than one node (where it is above 1.00 the reader itself reads more than "
+        "the boxes: torch DCP's torch.save blobs are read whole): "
+        "row-parallel (`Shard(1)`) halves of one saved chunk share every page (a half row of "
+        "`o_proj` is a few KiB) and their readers sit on different nodes; boxes that overlap "
+        "without being identical are each read on their own. Planning by file byte ranges with "
+        "one owner per range (issue 9) removes it; the per-node columns of table 1b show which "
+        "node fetched what." + probe]
+
+
+def _warm_miss(rep: dict[str, Any]) -> list[str]:
+    _, gaps = _bench_attrib.tables(rep, rep_mod.METHOD_NAMES, rep_mod.LAYOUT_NAMES)
+    slow = [(lay, m, g, col) for lay, m, g, col in gaps if m == "dcp-auto"
+            and rep_mod.ratio_in_run(rep, lay, "warm", m, "torch") > 1.0]
+    if not slow:
+        return []
+    return ["- **Warm, one host, slower than torch DCP.** Largest per-rank phase gap of the default "
+            "mode against torch DCP (median over ranks, attribution table): "
+            + "; ".join(f"{rep_mod.LAYOUT_NAMES[lay]}: {col} {g:+.3f} s "
+                        f"(job x{rep_mod.ratio_in_run(rep, lay, 'warm', m, 'torch'):.2f})"
+                        for lay, m, g, col in slow) + "."]
+
+
+def _link_miss(rep: dict[str, Any], th: dict[str, Any] | None) -> list[str]:
+    if not rep.get("disk"):
+        return []
+    bw = median([d["bytes_per_s"] for d in rep["disk"]])
+    return [f"- **Time against the physical floor and torch DCP, simulated nodes.** Where these are "
+            f"missed: the simulated nodes share one virtio disk that reads {bw / 1e9:.2f} GB/s "
+            "sequentially in this run, and the 'network' between them is gloo over loopback TCP on "
+            "2 shared cores, which moves a broadcast byte to each receiver through the same cores "
+            "that copy and read. Without a throttle, reading a byte again from the fast local disk "
+            "is cheaper here than broadcasting it, which a cluster's storage is not; the throttled "
+            "scenario (6) caps storage at a cluster's bandwidth so that the saving shows"
+            + (f" (skipped in this run: {th['skipped']})" if th and th.get("skipped") else "") + "."]
+
+
+def _peers(res: dict[str, Any]) -> str:
+    """Each peer's install and run outcome, as measured in this run."""
+    rows = []
+    for name in ("replicated", "throttled"):
+        r = res.get(name) or {}
+        for peer, reason in (r.get("peers") or {}).items():
+            n = sum(1 for x in r.get("runs", []) if x["method"] == peer)
+            version = (res["machine"].get("peers") or {}).get(peer)
+            ok = f"{peer} {version} imports" if version else "imports"
+            rows.append([peer, name, ok if reason is None else reason, str(n)])
+            for f in r.get("peer_failures", []):
+                if f["method"] == peer and reason is None:
+                    rows.append([peer, name, f"{rep_mod.LAYOUT_NAMES[f['layout']]} {f['mode']}: "
+                                 f"not measured: {f['reason'][:300]}", "-"])
+    if not rows:
+        return ""
+    return ("### Peers\n\nOther loaders run in the same scenarios where they install from the "
+            "package index and run on CPU; their times and bytes are in the tables above.\n\n"
+            + table(["peer", "scenario", "install / run", "loads measured"], rows))
 
 
 def _plots(res: dict[str, Any]) -> str:
@@ -358,11 +434,12 @@ def render(res: dict[str, Any]) -> str:
                                    ntensors=3 + 9 * sp["layers"], size=fmt_bytes(rep["unique_bytes"]),
                                    nbytes=rep["unique_bytes"]))
     parts.append("## Results")
-    mods = {"replicated": rep_mod, "small": bench_load_small, "single": bench_load_single,
-            "plan": bench_load_plan}
+    mods = {"replicated": rep_mod, "throttled": bench_load_throttled, "small": bench_load_small,
+            "single": bench_load_single, "plan": bench_load_plan}
     for name, mod in mods.items():
         if res.get(name):
             parts += mod.tables(res[name])
+    parts.append(_peers(res))
     parts.append(_plots(res))
     parts += _bench_goals.goals(res)
     parts += [_misses(res), _rule(res)]

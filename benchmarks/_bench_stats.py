@@ -18,6 +18,7 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "read_bytes_total": sum(r["read_bytes"] for r in per_rank),
         "read_bytes_per_rank": [r["read_bytes"] for r in per_rank],
         "read_bytes_max": max(r["read_bytes"] for r in per_rank),
+        "read_bytes_per_node": per_node(per_rank, "read_bytes"),
         "data_collectives_max": max(r["data_collectives"] for r in per_rank),
         "collectives_rank0": per_rank[0]["collectives"],
         "dest_bytes_total": sum(r["dest_bytes"] for r in per_rank),
@@ -33,6 +34,14 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         out["extra_rss_max"] = max(m["extra_rss"] for m in mem)
         out["peak_rss_max"] = max(m["peak_rss"] for m in mem)
         out["peak_file_max"] = max(m["peak_file"] for m in mem)
+    return out
+
+
+def per_node(per_rank: list[dict[str, Any]], key: str) -> list[int]:
+    """``key`` summed over the ranks of each simulated node (``node`` of each rank)."""
+    out = [0] * (1 + max(r.get("node", 0) for r in per_rank))
+    for r in per_rank:
+        out[r.get("node", 0)] += r[key]
     return out
 
 

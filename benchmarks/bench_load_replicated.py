@@ -15,10 +15,12 @@ with its HuggingFaceStorageReader. Every rank also samples its resident memory (
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
 from typing import Any
 
+import _bench_attrib
 from _bench_common import (
     GiB,
     ModelSpec,
@@ -28,19 +30,27 @@ from _bench_common import (
     rank_load,
     readahead_probe,
     warm_files,
+    warmup_spec,
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
 from _bench_stats import fmt_bytes, median, summarise, table
 
-LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1)}
-LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8"}
-METHODS = ("dcp", "dcp-64k", "dcp-reread", "dcp-auto", "torch")
+LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1),
+           "fsdp4-dp2tp2": (2, 2)}
+LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8",
+                "fsdp4-dp2tp2": "FSDP4 -> DP2xTP2"}
+# Layouts that load another checkpoint than the HF one: the resharding case reads the
+# FSDP-style checkpoint torch DCP's own writer saved (Shard(0) over 4 ranks, _bench_fsdp).
+SOURCES = {"fsdp4-dp2tp2": "fsdp4"}
+METHODS = ("dcp", "dcp-64k", "dcp-reread", "dcp-auto", "torch", "fastsafetensors")
+PEERS = ("fastsafetensors",)  # other loaders, run where they install; failures are reported
 # label -> (Run.method, broadcast_batch_bytes; None = --batch-bytes, load()'s default 6 MiB).
 # dcp-64k: the threshold dcp-load's demo measured as best on gloo (packing copies cost more
 # than they save above ~64 KiB there).
 METHOD_RUN = {"dcp": ("dcp", None), "dcp-64k": ("dcp", 64 * 1024), "dcp-reread": ("dcp-reread", None),
-              "dcp-auto": ("dcp-auto", None), "torch": ("torch", None)}
+              "dcp-auto": ("dcp-auto", None), "torch": ("torch", None),
+              "fastsafetensors": ("fastsafetensors", None)}
 TITLES = {
     "warm": "1a. Warm page cache, one host (every rank reads one copy of the files)",
     "cold": "1b. Simulated multi-node cold storage (a copy of the files per node, page cache "
@@ -50,7 +60,7 @@ TITLES = {
 }
 METHOD_NAMES = {"dcp": "dcp (read once + broadcast)", "dcp-64k": "dcp (broadcast, 64 KiB batches)",
                 "dcp-reread": "dcp (every rank reads)", "dcp-auto": "dcp (auto, the default)",
-                "torch": "torch DCP (HF reader)"}
+                "torch": "torch DCP", "fastsafetensors": "fastsafetensors (ParallelLoader, nogds)"}
 
 
 def model_spec(quick: bool) -> ModelSpec:
@@ -66,24 +76,84 @@ def model_dir(args: Any) -> Path:
     return Path(args.workdir) / ("hf-model-quick" if args.quick else "hf-model")
 
 
-def run(args: Any, log: Any) -> dict[str, Any]:
+def prepare_checkpoints(args: Any, log: Any, layouts: list[str], copies_needed: bool
+                        ) -> tuple[Any, int, dict[str, dict[str, Any]]]:
+    """The checkpoints ``layouts`` read, with a copy per simulated node when asked.
+
+    Returns (spec, unique bytes, sources): sources["hf"] and, for the resharding layouts,
+    sources["fsdp4"], each {"fmt", "dirs" (node 0's first), "warm", "verify"}.
+    """
     spec = model_spec(args.quick)
     work = Path(args.workdir)
     base = model_dir(args)
     t = time.perf_counter()
     nbytes = write_hf_checkpoint(base, spec)
-    log(f"replicated: checkpoint {base} {fmt_bytes(nbytes)} ready in {time.perf_counter() - t:.1f} s")
+    log(f"checkpoint {base} {fmt_bytes(nbytes)} ready in {time.perf_counter() - t:.1f} s")
     if not args.quick and nbytes < GiB:
         raise RuntimeError(f"the replicated checkpoint must be >= 1 GiB, got {nbytes}")
-    layouts = args.layouts
-    modes = args.modes
-    max_nodes = max(LAYOUTS[lay][0] * LAYOUTS[lay][1] // _rpn(args, lay) for lay in layouts)
-    warm_dir = write_warmup_checkpoint(work, spec)
-    copies = [base] + [base.with_name(f"{base.name}-node{k}") for k in range(1, max_nodes)]
-    if "cold" in modes:
-        for c in copies[1:]:
-            copy_checkpoint(base, c)
+    nodes = max(LAYOUTS[lay][0] * LAYOUTS[lay][1] // _rpn(args, lay) for lay in layouts)
+    warm = Path(write_warmup_checkpoint(work, spec))
+    roots = {"hf": (base, warm)}
+    if any(lay in SOURCES for lay in layouts):
+        from _bench_fsdp import write_fsdp_checkpoint
+
+        t = time.perf_counter()
+        f_base, f_warm = base.with_name(base.name + "-fsdp4"), warm.with_name(warm.name + "-fsdp4")
+        write_fsdp_checkpoint(args.launcher, base, f_base, spec, args.rank_timeout)
+        write_fsdp_checkpoint(args.launcher, warm, f_warm, warmup_spec(spec), args.rank_timeout)
+        log(f"FSDP-style torch DCP checkpoint {f_base} ready in {time.perf_counter() - t:.1f} s")
+        roots["fsdp4"] = (f_base, f_warm)
+    sources: dict[str, dict[str, Any]] = {}
+    for kind, (root, wdir) in roots.items():
+        dirs = [root] + [root.with_name(f"{root.name}-node{k}") for k in range(1, nodes)]
+        if copies_needed:
+            for c in dirs[1:]:
+                copy_checkpoint(root, c)
+        sources[kind] = {"fmt": "hf" if kind == "hf" else "torch_dcp", "dirs": [str(d) for d in dirs],
+                         "warm": str(wdir), "verify": None if kind == "hf" else str(base)}
+    return spec, nbytes, sources
+
+
+def peer_status() -> dict[str, str | None]:
+    """For each peer: None when it imports here, else why not (measured, not assumed)."""
+    out: dict[str, str | None] = {}
+    for peer in PEERS:
+        try:
+            importlib.import_module(peer)
+            out[peer] = None
+        except Exception as e:  # noqa: BLE001 - any import failure is the reported reason
+            out[peer] = f"import {peer} failed: {type(e).__name__}: {e}"
+    return out
+
+
+def run_one(args: Any, r: Run, world: int, entry: dict[str, Any], failures: list[dict[str, Any]],
+            peers: dict[str, str | None], log: Any) -> dict[str, Any] | None:
+    """One measured load; a peer's install or run failure is recorded, not raised."""
+    method = entry["method"]
+    reason = peers.get(method)
+    if reason is None and method in PEERS and r.fmt != "hf":
+        reason = f"reads safetensors files only; this layout's checkpoint is {r.fmt}"
+    if reason is None:
+        try:
+            per_rank = args.launcher.run(rank_load, world, r, timeout=args.rank_timeout)
+        except Exception as e:  # noqa: BLE001 - only peers get here (see below)
+            if method not in PEERS:
+                raise
+            reason = f"run failed: {type(e).__name__}: {str(e)[-600:]}"
+        else:
+            return {**entry, "summary": summarise(per_rank), "per_rank": per_rank}
+    failures.append({**entry, "reason": reason})
+    log(f"  {entry['layout']} {entry['mode']} {method}: not measured: {reason[:300]}")
+    return None
+
+
+def run(args: Any, log: Any) -> dict[str, Any]:
+    layouts, modes = args.layouts, args.modes
+    spec, nbytes, sources = prepare_checkpoints(args, log, layouts, "cold" in modes)
+    base = Path(sources["hf"]["dirs"][0])
+    peers = peer_status()
     runs: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
     disk: list[dict[str, float]] = []
     probe = None
     if "cold" in modes or "coldhost" in modes:
@@ -92,9 +162,6 @@ def run(args: Any, log: Any) -> dict[str, Any]:
             f"{fmt_bytes(probe['box_bytes'])} range costs " + ", ".join(
                 f"{k} {fmt_bytes(probe[k])}" for k in ("mmap", "mmap MADV_RANDOM", "preadv",
                                                        "preadv FADV_RANDOM")))
-        lp = probe["loaders"]
-        log(f"  loader probe: cold row-half of {lp['tensor']} ({fmt_bytes(lp['box_bytes'])}): dcp_reader "
-            f"fetched {fmt_bytes(lp['dcp_reader'])}, safetensors get_slice {fmt_bytes(lp['safetensors get_slice'])}")
     for rep in range(args.repeats):
         if "cold" in modes or "coldhost" in modes:
             d = measure_disk_bandwidth(base)
@@ -105,39 +172,42 @@ def run(args: Any, log: Any) -> dict[str, Any]:
         for lay in layouts:
             dp, tp = LAYOUTS[lay]
             world = dp * tp
+            src = sources[SOURCES.get(lay, "hf")]
             for mode in modes:
                 # Rotate the method order every repeat so drift does not favour one method.
                 order = list({"warm": args.methods, "coldhost": args.coldhost_methods,
                               "cold": args.cold_methods}[mode])
                 k = rep % len(order)
-                order = order[k:] + order[:k]
-                for method in order:
+                for method in order[k:] + order[:k]:
                     if mode == "warm":
-                        rpn, dirs = world, (str(base),)
-                        warm_files(base)
+                        rpn, dirs = world, (src["dirs"][0],)
+                        warm_files(Path(src["dirs"][0]))
                     elif mode == "coldhost":
-                        rpn, dirs = world, (str(base),)
+                        rpn, dirs = world, (src["dirs"][0],)
                     else:
                         rpn = _rpn(args, lay)
-                        dirs = tuple(str(c) for c in copies[: world // rpn])
+                        dirs = tuple(src["dirs"][: world // rpn])
                     run_method, batch = METHOD_RUN[method]
                     r = Run(method=run_method, spec=spec, dp=dp, tp=tp, ckpt_dirs=dirs,
                             ranks_per_node=rpn, cold=mode in ("cold", "coldhost"),
                             batch_bytes=args.batch_bytes if batch is None else batch,
-                            verify=rep == 0 or args.verify_all,
-                            warmup_dir=warm_dir, simulate_hosts=mode == "cold")
-                    per_rank = args.launcher.run(rank_load, world, r, timeout=args.rank_timeout)
-                    s = summarise(per_rank)
-                    runs.append({"layout": lay, "world": world, "dp": dp, "tp": tp, "mode": mode,
-                                 "method": method, "repeat": rep, "nodes": len(dirs),
-                                 "ranks_per_node": rpn, "summary": s, "per_rank": per_rank})
+                            verify=rep == 0 or args.verify_all, warmup_dir=src["warm"],
+                            simulate_hosts=mode == "cold", fmt=src["fmt"], verify_dir=src["verify"])
+                    entry = {"layout": lay, "world": world, "dp": dp, "tp": tp, "mode": mode,
+                             "method": method, "repeat": rep, "nodes": len(dirs), "ranks_per_node": rpn}
+                    done = run_one(args, r, world, entry, failures, peers, log)
+                    if done is None:
+                        continue
+                    runs.append(done)
+                    s = done["summary"]
                     log(f"  rep {rep} {lay:7s} {mode:8s} {method:10s} {s['wall_s']:7.3f} s  "
                         f"read {fmt_bytes(s['read_bytes_total'])}  "
                         f"collectives {s['data_collectives_max']}  "
                         f"extra anon {fmt_bytes(s.get('extra_anon_max', float('nan')))}  "
-                        f"[{_phases(per_rank)}]")
+                        f"[{_phases(done['per_rank'])}]")
     return {"spec": spec.__dict__, "unique_bytes": nbytes, "runs": runs, "disk": disk, "probe": probe,
-            "copies": [str(c) for c in copies]}
+            "copies": sources["hf"]["dirs"], "sources": sources, "peers": peers,
+            "peer_failures": failures}
 
 
 def _phases(per_rank: list[dict[str, Any]]) -> str:
@@ -180,6 +250,7 @@ def tables(res: dict[str, Any]) -> list[str]:
     reps = len({r["repeat"] for r in res["runs"]})
     for mode in modes:
         rows = []
+        floor = unique / disk_bw(res) if mode != "warm" and res["disk"] else None
         for lay in layouts:
             for m in methods:
                 rs = _runs(res, lay, mode, m)
@@ -193,14 +264,20 @@ def tables(res: dict[str, Any]) -> list[str]:
                 row += [fmt_bytes(total), f"{total / unique:.2f}",
                         fmt_bytes(med(res, lay, mode, m, "read_bytes_max")),
                         f"{med(res, lay, mode, m, 'data_collectives_max'):.0f}"]
+                if floor:
+                    row.append(f"{median(walls) / floor:.2f}")
                 rows.append(row)
         title = TITLES[mode]
+        floor_text = (f" x floor = time / physical floor, the floor being unique bytes / measured "
+                      f"disk bandwidth = {fmt_bytes(unique)} / {disk_bw(res) / 1e9:.2f} GB/s = "
+                      f"{floor:.3f} s." if floor else "")
         out.append(f"### {title}\n\nCheckpoint {fmt_bytes(unique)} (unique bytes); "
                    f"median of {reps} runs; ratio = time / torch DCP's time in the same repeat "
                    "(median of the per-repeat ratios); storage reads from /proc/self/io read_bytes "
-                   "summed over ranks; amplification = storage reads / unique bytes.\n\n" + table(
+                   f"summed over ranks; amplification = storage reads / unique bytes.{floor_text}\n\n" + table(
             ["layout", "ranks", "method", "load s (median)", "range", "x torch",
-             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"], rows))
+             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"]
+            + (["x floor"] if floor else []), rows))
     if "cold" in modes and res["disk"]:
         bw = disk_bw(res)
         bound = unique / bw
@@ -212,8 +289,12 @@ def tables(res: dict[str, Any]) -> list[str]:
                     continue
                 per_rank = [median([r["summary"]["read_bytes_per_rank"][k] for r in rs])
                             for k in range(rs[0]["world"])]
-                rows.append([LAYOUT_NAMES[lay], f"{rs[0]['nodes']} x {rs[0]['ranks_per_node']}",
+                nodes = rs[0]["nodes"]
+                per_node = [median([r["summary"]["read_bytes_per_node"][k] for r in rs]) for k in range(nodes)]
+                rows.append([LAYOUT_NAMES[lay], f"{nodes} x {rs[0]['ranks_per_node']}",
                              METHOD_NAMES[m], " / ".join(f"{b / 2**20:.0f}" for b in per_rank),
+                             " / ".join(f"{b / unique:.2f}" for b in per_node),
+                             f"{sum(per_node) / unique:.2f}", f"{max(per_node) / (unique / nodes):.2f}",
                              f"{med(res, lay, 'cold', m, 'wall_s') / bound:.2f}"])
         p = res.get("probe")
         probe = "" if not p else (
@@ -225,11 +306,15 @@ def tables(res: dict[str, Any]) -> list[str]:
             f"({fmt_bytes(p['loaders']['box_bytes'])}, cold) fetched {fmt_bytes(p['loaders']['dcp_reader'])} "
             f"through dcp_reader.read and {fmt_bytes(p['loaders']['safetensors get_slice'])} through "
             "safetensors get_slice (torch DCP's HF reader).")
-        out.append("### 1b. Per-rank bytes fetched from storage (MiB, median over repeats), cold\n\n"
+        out.append("### 1b. Bytes fetched from storage per rank and per node, cold (median over repeats)\n\n"
                    f"Raw disk bandwidth, cold sequential 16 MiB reads of the files, median: "
-                   f"{bw / 1e9:.2f} GB/s, so unique bytes / bandwidth = {bound:.3f} s.{probe}\n\n" + table(
+                   f"{bw / 1e9:.2f} GB/s, so the physical floor unique bytes / bandwidth = {bound:.3f} s. "
+                   "Per node: the bytes the ranks of simulated node k fetched from their copy of the "
+                   "files / unique bytes; node balance = the busiest node's bytes / (unique bytes / "
+                   f"nodes), 1.00 when the job's reads are spread evenly over the nodes.{probe}\n\n" + table(
             ["layout", "nodes x ranks", "method", "MiB read per rank (rank 0..N-1)",
-             "time / (unique / bandwidth)"], rows))
+             "per node / unique (node 0..N-1)", "all nodes / unique", "node balance",
+             "time / floor"], rows))
     if "dcp" in methods and "dcp-reread" in methods:
         rows = []
         for mode in [m for m in ("warm", "coldhost") if m in modes]:
@@ -251,6 +336,9 @@ def tables(res: dict[str, Any]) -> list[str]:
                            ["layout", "cache", "dcp broadcast s", "broadcast 64 KiB s", "dcp re-read s",
                             "dcp auto s", "torch DCP s", "broadcast / re-read", "64 KiB / re-read",
                             "storage read, re-read"], rows))
+    attrib, _ = _bench_attrib.tables(res, METHOD_NAMES, LAYOUT_NAMES)
+    if attrib:
+        out.append(attrib)
     rows = []
     phases = ("prepare", "plan", "validate", "execute", "finish", "total")
     for lay in layouts:

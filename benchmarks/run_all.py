@@ -1,11 +1,14 @@
 """Run the dcp load benchmarks side by side with torch.distributed.checkpoint.
 
-    python benchmarks/run_all.py                  # every scenario, 3 repeats (~15-20 min here)
+    python benchmarks/run_all.py                  # every scenario, 3 repeats (~25-30 min here)
     python benchmarks/run_all.py --quick          # small sizes, 1 repeat: a smoke run
     python benchmarks/run_all.py --scenarios replicated --layouts dp4 --modes warm
 
 Scenarios: replicated (1a warm, 1b simulated multi-node cold, 1c cold on one host, and 4
-peak memory, sampled in the same runs), small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
+peak memory, sampled in the same runs; layouts include the resharding case fsdp4-dp2tp2),
+throttled (6: simulated nodes cold under a block-I/O read cap B, per-node link and shared
+file system; skipped with the reason where the cgroup v1 blkio throttle is unavailable),
+small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
 plan (5: the global plan for 1024 and 4096 simulated ranks, no processes).
 
 Results go to bench-results/<UTC time>.json (and bench-results/latest.json); the report
@@ -35,11 +38,14 @@ import bench_load_plan  # noqa: E402
 import bench_load_replicated  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
+import bench_load_throttled  # noqa: E402
 from _bench_common import MiB, can_drop_caches  # noqa: E402
 from _bench_launch import Launcher  # noqa: E402
+from _bench_throttle import parse_bps  # noqa: E402
 
 SCENARIOS = {
     "replicated": bench_load_replicated,
+    "throttled": bench_load_throttled,
     "small": bench_load_small,
     "single": bench_load_single,
     "plan": bench_load_plan,
@@ -51,9 +57,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (smoke run)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
-    ap.add_argument("--scenarios", default="replicated,small,single,plan",
+    ap.add_argument("--scenarios", default="replicated,throttled,small,single,plan",
                     help=f"comma-separated subset of {','.join(SCENARIOS)}")
-    ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2",
+    ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2,fsdp4-dp2tp2",
                     help=f"replicated layouts: {','.join(bench_load_replicated.LAYOUTS)}")
     ap.add_argument("--modes", default="warm,cold,coldhost",
                     help="replicated modes: warm (one host), coldhost (one host, cache dropped), "
@@ -63,9 +69,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                          "dcp-reread, dcp-auto (load()'s default), torch")
     ap.add_argument("--coldhost-methods", default="dcp,dcp-reread",
                     help="methods in coldhost mode (add torch to compare it there too)")
-    ap.add_argument("--cold-methods", default="dcp,dcp-auto,torch",
+    ap.add_argument("--cold-methods", default="dcp,dcp-auto,torch,fastsafetensors",
                     help="methods in the simulated multi-node cold mode (dcp-reread there reads "
                          "what torch DCP reads; left out by default to keep a full run short)")
+    ap.add_argument("--throttle-bps", default="100M,400M",
+                    help="throttled scenario: read caps B, comma-separated (M = MiB/s, G = GiB/s)")
+    ap.add_argument("--throttle-layouts", default="dp4,dp2tp2",
+                    help="throttled scenario: layouts (each cap x both storage models x methods)")
+    ap.add_argument("--throttle-methods", default="dcp-auto,torch,fastsafetensors",
+                    help="throttled scenario: methods")
+    ap.add_argument("--throttle-repeats", type=int, default=1,
+                    help="throttled scenario: repeats (default 1: the cap makes times steady, and "
+                         "torch DCP at 100 MiB/s shared takes ~45 s per DP4 load)")
     ap.add_argument("--ranks-per-node", type=int, default=0,
                     help="ranks per simulated node in cold runs (default: the TP size)")
     ap.add_argument("--batch-bytes", type=int, default=6 * MiB, help="dcp broadcast_batch_bytes")
@@ -85,22 +100,28 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     a.cold_methods = [s for s in a.cold_methods.split(",") if s]
     a.coldhost_methods = [s for s in a.coldhost_methods.split(",") if s]
     a.plan_ranks = [int(s) for s in a.plan_ranks.split(",") if s]
+    a.throttle_layouts = [s for s in a.throttle_layouts.split(",") if s]
+    a.throttle_methods = [s for s in a.throttle_methods.split(",") if s]
+    try:
+        a.throttle_bps = [parse_bps(s) for s in a.throttle_bps.split(",") if s]
+    except ValueError as e:
+        ap.error(str(e))
     for s in a.scenarios:
         if s not in SCENARIOS:
             ap.error(f"--scenarios: unknown {s!r}; choose from {','.join(SCENARIOS)}")
-    for s in a.layouts:
+    for s in a.layouts + a.throttle_layouts:
         if s not in bench_load_replicated.LAYOUTS:
             ap.error(f"--layouts: unknown {s!r}; choose from {','.join(bench_load_replicated.LAYOUTS)}")
     for s in a.modes:
         if s not in ("warm", "coldhost", "cold"):
             ap.error(f"--modes: unknown {s!r}; choose from warm,coldhost,cold")
-    for s in a.methods + a.cold_methods + a.coldhost_methods:
+    for s in a.methods + a.cold_methods + a.coldhost_methods + a.throttle_methods:
         if s not in bench_load_replicated.METHODS:
             ap.error(f"--methods: unknown {s!r}; choose from {','.join(bench_load_replicated.METHODS)}")
     if a.repeats is None:
         a.repeats = 1 if a.quick else 3
-    if a.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.repeats < 1 or a.throttle_repeats < 1:
+        ap.error(f"--repeats and --throttle-repeats must be >= 1, got {a.repeats}, {a.throttle_repeats}")
     return a
 
 
@@ -125,10 +146,20 @@ def machine() -> dict[str, Any]:
         "mem_gib": round(int(mem) / 2**20, 1) if mem else None, "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__,
         "safetensors": safetensors.__version__, "dcp_load": dcp_version,
+        "peers": {p: _version(p) for p in bench_load_replicated.PEERS},
         "disk": sh("df -h --output=source,size,fstype / | tail -1"),
         "git": sh(f"git -C {HERE.parent} rev-parse --short HEAD"),
         "loadavg_start": sh("cat /proc/loadavg"),
     }
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-    if any(s in args.scenarios for s in ("replicated", "single")) and not can_drop_caches():
+    if any(s in args.scenarios for s in ("replicated", "throttled", "single")) and not can_drop_caches():
         log("cannot write /proc/sys/vm/drop_caches (not root?): cold runs evict the checkpoint "
             "files with posix_fadvise(POSIX_FADV_DONTNEED) instead (recorded per run as 'drop')")
     results: dict[str, Any] = {"machine": machine(), "argv": sys.argv[1:], "stamp": stamp,
@@ -166,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     md = _bench_report.render(results)
     print("\n" + md)
     (out_dir / f"{stamp}.md").write_text(md)  # the BENCHMARKS.md text for this run
+    (out_dir / "latest.md").write_text(md)
     _write(out_dir, stamp, results)
     if args.plots:
         try:

@@ -1,5 +1,6 @@
-"""Planning as pure functions: intersections (resharding), replica groups, the greedy
-reader choice (heaviest first, fewest bytes, ties by rank), flags, and scale."""
+"""Planning as pure functions: intersections (resharding), replica groups, owners per
+holder set (heaviest first, fewest bytes, ties by rank), page-sharing boxes read once per
+host, flags, and scale."""
 
 from __future__ import annotations
 
@@ -116,11 +117,14 @@ def test_large_replicated_pieces_are_split_across_members() -> None:
     assert len(unsplit.broadcasts) == 2 and max(unsplit.loads) == 320
 
 
-def test_local_bytes_count_before_assignment() -> None:
+def test_owners_depend_only_on_the_holder_set() -> None:
+    # "big" is held by rank 0 alone, "rep" by ranks 0 and 1: rep's owner is chosen among
+    # {0, 1} from rep's holder set only, so a rank can plan it without knowing "big".
     tensors = {"big": T((100,), (C((0,), (100,)),)), "rep": T((10,), (C((0,), (10,)),))}
     wants = [[("big", (0,), (100,), BOTH), ("rep", (0,), (10,), BOTH)], [("rep", (0,), (10,), BOTH)]]
     plan = build_global_plan(tensors, wants)
-    assert plan.broadcasts[0].reader == 1  # rank 0 already reads 400 bytes on its own
+    alone = build_global_plan({"rep": tensors["rep"]}, wants)
+    assert plan.broadcasts == alone.broadcasts
 
 
 def test_plan_is_deterministic_and_in_agreed_order() -> None:
@@ -231,3 +235,97 @@ def test_any_resharding_reads_each_wanted_element_once(case):
     assert sum(plan.loads) == plan.unique_bytes == math.prod(shape)
     if replicas > 1:
         assert plan.local == ()
+
+
+# -- read once by bytes: page-sharing boxes are read on one host --------------------------
+
+
+def _rows_read_by_host(plan, tensors, hosts):
+    """{(name, chunk, row): set of hosts whose ranks read that stored row from storage}."""
+    out: dict[tuple[str, int, int], set[str]] = {}
+    for item in plan.broadcasts + plan.local:
+        readers = [item.reader] if item.reader is not None else list(item.ranks)
+        rows = range(item.offsets[0], item.offsets[0] + item.sizes[0]) if item.sizes else [0]
+        for row in rows:
+            out.setdefault((item.name, item.chunk, row), set()).update(hosts[r] for r in readers)
+    return out
+
+
+def _received(plan, rank):
+    """Every (name, element index) that ``rank`` gets: read itself or received."""
+    got: dict[tuple[str, tuple[int, ...]], int] = {}
+    for item in plan.broadcasts + plan.local:
+        if rank not in item.ranks:
+            continue
+        cells = [[(o + i, 1) for i in range(s)] for o, s in zip(item.offsets, item.sizes, strict=True)]
+        for idx in _boxes(cells):
+            got[(item.name, idx[0])] = got.get((item.name, idx[0]), 0) + 1
+    return got
+
+
+def test_row_parallel_halves_are_read_on_one_host() -> None:
+    # DP2 x TP2, nodes = TP groups: ranks 0, 2 hold columns 0-3, ranks 1, 3 columns 4-7 of a
+    # weight saved whole. Both halves of every row share pages: one host reads each row.
+    tensors = {"w": T((64, 8), (C((0, 0), (64, 8)),), 4)}
+    wants = [[("w", (0, 4 * (r % 2)), (64, 4), BOTH)] for r in range(4)]
+    hosts = ["a", "a", "b", "b"]
+    for same_host in (True, False):
+        plan = build_global_plan(tensors, wants, hosts=hosts, split_bytes=256, same_host_reads=same_host)
+        by_row = _rows_read_by_host(plan, tensors, hosts)
+        assert len(by_row) == 64 and all(len(h) == 1 for h in by_row.values())
+        assert {h for hs in by_row.values() for h in hs} == {"a", "b"}  # both hosts share the work
+        for r in range(4):
+            assert sorted(_received(plan, r).values()) == [1] * 64 * 4
+
+
+def test_partial_overlaps_are_read_once() -> None:
+    # rank 0 (host a) wants rows 0-99, rank 1 (host b) rows 50-149: rows 50-99 read once.
+    tensors = {"w": T((150, 4), (C((0, 0), (150, 4)),), 4)}
+    wants = [[("w", (0, 0), (100, 4), BOTH)], [("w", (50, 0), (100, 4), BOTH)]]
+    plan = build_global_plan(tensors, wants, hosts=["a", "b"])
+    by_row = _rows_read_by_host(plan, tensors, ["a", "b"])
+    assert len(by_row) == 150 and all(len(h) == 1 for h in by_row.values())
+    assert sum(plan.loads) == plan.unique_bytes == 150 * 4 * 4
+    assert [(i.offsets, i.sizes, i.ranks) for i in plan.broadcasts] == [((50, 0), (50, 4), (0, 1))]
+    for r in range(2):
+        assert set(_received(plan, r).values()) == {1} and len(_received(plan, r)) == 400
+
+
+def test_casts_travel_in_the_destination_dtype() -> None:
+    # float32 destinations of a bfloat16 tensor: broadcast bytes are float32 bytes, storage
+    # bytes bfloat16; ranks whose destinations differ in dtype never share a broadcast.
+    tensors = {"w": T((4, 4), (C((0, 0), (4, 4)),), 2)}
+    wants = [[("w", (0, 0), (4, 4), BOTH, "float32")]] * 2 + [[("w", (0, 0), (4, 4), BOTH, "bfloat16")]] * 2
+    plan = build_global_plan(tensors, wants)
+    assert sorted((i.dtype, i.nbytes, i.ranks) for i in plan.broadcasts) == [
+        ("bfloat16", 32, (2, 3)), ("float32", 64, (0, 1))]
+    assert plan.unique_bytes == 2 * 32 and sum(plan.loads) == 64
+
+
+@st.composite
+def _host_layouts(draw):
+    shape, saved, wanted, _ = draw(_tilings())
+    hosts = draw(st.integers(1, 3))
+    same_host = draw(st.booleans())
+    split = draw(st.sampled_from([0, 4, 16, 1 << 20]))
+    return shape, saved, wanted, hosts, same_host, split
+
+
+@settings(max_examples=80, deadline=None)
+@given(_host_layouts())
+def test_each_stored_row_is_read_by_one_host(case):
+    """Random saved chunking x random wanted tiling, held in full by every host (data
+    parallel across hosts, any tiling inside a host): every rank gets each wanted element
+    exactly once, and each stored row is read by exactly one host."""
+    shape, saved, wanted, n_hosts, same_host, split = case
+    tensors = {"t": T(shape, tuple(C(o, s, f"f{i}") for i, (o, s) in enumerate(_boxes(saved))), 1)}
+    boxes = list(_boxes(wanted))
+    wants = [[("t", o, s, BOTH)] for _ in range(n_hosts) for o, s in boxes]
+    hosts = [f"h{h}" for h in range(n_hosts) for _ in boxes]
+    plan = build_global_plan(tensors, wants, hosts=hosts, same_host_reads=same_host, split_bytes=split)
+    for rank, (_, s) in enumerate(boxes * n_hosts):
+        got = _received(plan, rank)
+        assert set(got.values()) == {1} and len(got) == math.prod(s)
+    by_row = _rows_read_by_host(plan, tensors, hosts)
+    assert all(len(h) == 1 for h in by_row.values())
+    assert sum(plan.loads) >= plan.unique_bytes == math.prod(shape)

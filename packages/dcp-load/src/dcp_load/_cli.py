@@ -15,13 +15,13 @@ def _human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None) -> int:
+def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int | None = None) -> int:
     """Print a checkpoint's format, tensors (shape, dtype, chunks, bytes) and values."""
     from dcp_reader import CheckpointError, open_checkpoint
 
     out = out or sys.stdout
     try:
-        reader = open_checkpoint(path, allow_pickle=allow_pickle)
+        reader = open_checkpoint(path, allow_pickle=allow_pickle, rank=rank)
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"dcp inspect: {exc}", file=sys.stderr)
         return 2
@@ -51,16 +51,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp", description="Inspect distributed checkpoints; run the demo.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
-    p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors or torch DCP)")
+    p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors, torch DCP or "
+                   "hyper-parallel)")
     p.add_argument("--chunks", action="store_true", help="also list every saved chunk")
     p.add_argument("--allow-pickle", action="store_true",
                    help="allow reading pickled metadata (only for checkpoints you trust)")
+    p.add_argument("--rank", type=int, help="the rank's metadata to show where each rank saved its own "
+                   "(a hyper-parallel save without collectives: {rank}.metadata)")
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle)
+        return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
     from .demo import main as demo_main
 
     extra = ["--keep", args.keep] if args.keep else []

@@ -16,7 +16,7 @@ from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
 from ._targets import Target, in_mesh, target_for
-from ._validate import check_launch, check_reads, check_targets, exchange
+from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
 
@@ -115,6 +115,7 @@ def load(
     platform: Any = None,
     allow_pickle: bool = False,
     tied_weights: Mapping[str, str] | None = None,
+    allow_dtype_cast: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
 
@@ -130,6 +131,9 @@ def load(
     ``strict=False`` skips entries the checkpoint lacks (listed in the report).
     ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
     ``allow_pickle``: allow pickled non-tensor values (torch DCP checkpoints store them so).
+    ``allow_dtype_cast``: destinations whose dtype differs from the checkpoint's (float32
+    master weights from a bfloat16 checkpoint) are cast piece by piece, as torch DCP does,
+    and listed in the report's ``cast``; ``False`` refuses any dtype difference.
     ``tied_weights``: for keys that hold one tensor (tied weights, found by shared memory),
     ``{key: key_whose_value_it_takes}``, for example
     ``{"lm_head.weight": "model.embed_tokens.weight"}``. Tied keys are loaded once; when the
@@ -150,7 +154,12 @@ def load(
     platform = resolve_platform(platform, leaves)
     check_launch(platform, no_dist, "load")
     rank = platform.rank()
-    collective = not no_dist and use_collectives and platform.is_distributed()
+    # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
+    # loads what it saved, alone. Decided from the directory listing, which all ranks share.
+    from dcp_reader import is_rank_local
+
+    rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
+    collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
     broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(rank)
 
@@ -160,6 +169,7 @@ def load(
     missing: list[str] = []
     outside: list[str] = []
     tied: list[tuple[str, str]] = []
+    cast: list[str] = []
     wants: list[Want] = []
     try:
         try:
@@ -173,14 +183,17 @@ def load(
             if reader is None:
                 from dcp_reader import open_checkpoint
 
-                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle)
+                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=rank)
                 owned = True
             errs, targets, tied = resolve_aliases(targets, reader, tied_weights)
             errors.extend(errs)
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
+            errs, cast = check_dtypes(targets, reader.metadata, allow_dtype_cast)
+            errors.extend(errs)
             caps = platform.capabilities
-            wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast)) for t in targets for b in t.boxes]
+            wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast), t.dtype)
+                     for t in targets for b in t.boxes]
         except _Reported:
             pass
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
@@ -188,7 +201,7 @@ def load(
         # The settings that shape the collectives travel with the wants: ranks that differ
         # would walk different broadcast schedules and hang, so they fail together instead.
         settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
-        host = host_id() if broadcast_replicated_tensors == AUTO else None
+        host = host_id() if broadcast else None
         gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings, host))
         differing = sorted({s for _, s, _ in gathered_all}, key=repr)
         if len(differing) > 1:
@@ -201,7 +214,7 @@ def load(
         phases.end("prepare")
 
         plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                                 hosts=hosts)
+                                 hosts=hosts, same_host_reads=broadcast_replicated_tensors == AUTO)
         me = rank if collective else 0
         reads = plan.reads_for(me)
         phases.end("plan")
@@ -233,7 +246,7 @@ def load(
         bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
-        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing),
+        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing), cast=tuple(cast),
         skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "

@@ -2,15 +2,19 @@
 
 Every function here is pure: each rank calls ``build_global_plan`` with the same gathered
 wants and the same checkpoint metadata and gets the same plan, which is what keeps the
-collectives that follow in step (ARCHITECTURE "Rules"). Cost is linear in the number of
-(rank, piece) wants plus O(g log g) for the g replica groups: no loop over ranks inside a
-loop over ranks, so a 4096-rank job can be planned (and simulated) in one process.
+collectives that follow in step (ARCHITECTURE "Rules").
+
+Reads are planned by the bytes they fetch, not only by boxes: storage is read by pages, and
+boxes of one saved chunk that share rows share pages (``_segments``). Each such interval of
+rows (split into slabs when large) has one owner, and every box that needs its rows is read
+by the owner's side (``_owners``): so each stored byte is fetched once per job even when
+ranks hold different column halves of a row-parallel weight or partially overlapping rows.
+Planning one tensor depends only on the ranks holding it, never on other tensors.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,16 +37,18 @@ BROADCASTABLE = 1
 #: (informational: destinations without views receive through a staging tensor).
 VIEWS = 2
 
-#: Replicated pieces of at least twice this size are split into row slabs (at least this
-#: big, at most one per member) read by different members, so that one huge tensor (an
+#: Shared row intervals of at least twice this size are split into row slabs (at least
+#: this big, at most one per owner) read by different owners, so that one huge tensor (an
 #: embedding, an lm_head) does not make its reader the slowest rank. 16 MiB keeps the fixed
-#: costs per slab small: ~10 us per narrowed read (dcp-reader), ~145 us per broadcast on
-#: Ascend against ~0.5 ms to move 16 MiB at 33 GiB/s (FACTS.md).
+#: costs per slab small: ~10 us per narrowed read (dcp-reader README), ~145 us per broadcast
+#: on Ascend against ~0.5 ms to move 16 MiB at 33 GiB/s (dcp-broadcast README).
 SPLIT_BYTES = 16 * 1024 * 1024
 
-#: What a rank sends to the others, per tensor entry: (name, offsets, sizes, flags). Plain
-#: tuples pickle small: the all-gather carries a few dozen bytes per entry, never tensors.
-Want = tuple[str, tuple[int, ...], tuple[int, ...], int]
+#: What a rank holds, per box of a tensor entry: (name, offsets, sizes, flags, dtype).
+#: ``dtype`` is the destination's neutral dtype name (it may differ from the checkpoint's:
+#: the load casts); a 4-tuple means the checkpoint's dtype. A rank may hold several boxes
+#: of one name. Plain tuples pickle small: the all-gather carries a few dozen bytes each.
+Want = tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,7 @@ class ReadItem:
     ``[offsets, offsets+sizes)`` (global coordinates) lies inside it. ``ranks``: the ranks
     that want this box (sorted). ``reader``: the rank that reads it and broadcasts it to the
     others of ``ranks``; ``None`` when every rank of ``ranks`` reads it from storage itself.
+    ``nbytes``: bytes of the box in the destination dtype ``dtype`` ("" = the checkpoint's).
     """
 
     name: str
@@ -62,6 +69,7 @@ class ReadItem:
     nbytes: int
     ranks: tuple[int, ...]
     reader: int | None = None
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
@@ -133,47 +141,28 @@ def intersect(chunks: Sequence[Any], offsets: tuple[int, ...], sizes: tuple[int,
     return out
 
 
+
 @dataclass(frozen=True)
 class GlobalPlan:
     """Every rank's reads and the broadcasts between them, in the agreed order.
 
     ``broadcasts``: replicated items in the order every rank walks them. ``local``: items
-    that each rank of their ``ranks`` reads itself. ``loads``: bytes each rank reads.
+    that each rank of their ``ranks`` reads itself. ``loads``: bytes each rank reads from
+    storage. ``unique_bytes``: stored bytes of the distinct boxes any rank wants (what a
+    read-once load fetches in total).
     """
 
     world_size: int
     broadcasts: tuple[ReadItem, ...]
     local: tuple[ReadItem, ...]
     loads: tuple[int, ...]
-
-    @property
-    def unique_bytes(self) -> int:
-        """Bytes of the distinct boxes wanted by any rank (what read-once reads in total)."""
-        return sum(i.nbytes for i in self.broadcasts) + sum(i.nbytes for i in self.local)
+    unique_bytes: int
 
     def reads_for(self, rank: int) -> list[ReadItem]:
         """What ``rank`` reads from storage, in order: its broadcast sources first."""
         own = [i for i in self.broadcasts if i.reader == rank]
         own.extend(i for i in self.local if rank in i.ranks)
         return own
-
-
-def _split(item: ReadItem, split_bytes: int) -> list[ReadItem]:
-    """``item`` cut along dim 0 into slabs of at least ``split_bytes``, one per member at most."""
-    if split_bytes <= 0 or not item.sizes or item.sizes[0] < 2:
-        return [item]
-    parts = min(len(item.ranks), item.sizes[0], item.nbytes // split_bytes)
-    if parts < 2:
-        return [item]
-    row_bytes = item.nbytes // item.sizes[0]
-    base, extra = divmod(item.sizes[0], parts)
-    out, start = [], item.offsets[0]
-    for k in range(parts):
-        rows = base + (1 if k < extra else 0)
-        out.append(ReadItem(item.name, item.chunk, (start, *item.offsets[1:]), (rows, *item.sizes[1:]),
-                            rows * row_bytes, item.ranks))
-        start += rows
-    return out
 
 
 def build_global_plan(
@@ -184,68 +173,57 @@ def build_global_plan(
     planner: Planner | None = None,
     split_bytes: int = SPLIT_BYTES,
     hosts: Sequence[str] | None = None,
+    same_host_reads: bool | None = None,
 ) -> GlobalPlan:
     """The plan every rank derives from the gathered ``wants`` (index = rank).
 
     ``tensors`` maps names to checkpoint tensor metadata (``.chunks`` with ``.offsets``,
-    ``.sizes``, ``.file``; ``.itemsize``). Boxes several ranks want identically (same name,
-    offsets and sizes after intersecting with the saved chunks) form a replica group when
-    ``broadcast`` is set and every member flagged its destination ``BROADCASTABLE``; such
-    boxes of at least ``2 * split_bytes`` are split into row slabs (0: never). Names
-    missing from ``tensors`` are skipped (validation reports them).
+    ``.sizes``, ``.file``; ``.itemsize``). Boxes several ranks want identically (same
+    name, offsets, sizes and destination dtype, cut to the saved chunks and the owners'
+    row intervals) form a replica group when ``broadcast`` is set and every member flagged
+    its destination ``BROADCASTABLE``: one member reads it and broadcasts it. Names missing
+    from ``tensors`` are skipped (validation reports them).
 
-    ``hosts`` (index = rank): when given, a box wanted only by ranks of one host is read
-    by each of them from storage instead of broadcast, since they share one page cache
-    (the ``"auto"`` mode of ``load``). Boxes whose ranks span hosts are broadcast.
+    ``hosts`` (index = rank): which ranks share a page cache. Each shared row interval is
+    owned by one host (``same_host_reads``, the ``"auto"`` mode of ``load``; the default
+    when ``hosts`` is given) or one rank (otherwise), and its boxes are read by the
+    owner's ranks; with ``same_host_reads`` the other ranks of the reader's host read the
+    box themselves (from the page cache the reader filled) and only other hosts receive
+    the broadcast. ``planner``: chooses the reader of each replica group instead of the
+    owner rule (which then no longer keeps page-sharing boxes on one host).
     """
+    from ._owners import PlanBuilder
+
     world = len(wants)
     if hosts is not None and len(hosts) != world:
         raise ValueError(f"build_global_plan: {len(hosts)} hosts for {world} ranks")
-    boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
-    pieces: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[Any]] = {}
+    auto = hosts is not None if same_host_reads is None else bool(same_host_reads)
+    builder = PlanBuilder(world, broadcast=broadcast, hosts=hosts, same_host_reads=auto,
+                          split_bytes=split_bytes, custom=planner is not None)
+    for name, held in collect_boxes(tensors, wants).items():
+        builder.add_tensor(name, tensors[name], held)
+    builder.settle()
+    if planner is not None:
+        builder.assign_with(planner)
+    return builder.finish(tensors)
+
+
+def collect_boxes(tensors: Mapping[str, Any], wants: Sequence[Sequence[Want]]
+                  ) -> dict[str, dict[tuple[Any, ...], list[Any]]]:
+    """name -> {(offsets, sizes, dtype): [ranks, all broadcastable]} over every rank's wants."""
+    out: dict[str, dict[tuple[Any, ...], list[Any]]] = {}
     for rank, rank_wants in enumerate(wants):
-        for name, offsets, sizes, flags in rank_wants:
-            meta = tensors.get(name)
-            if meta is None:
+        for want in rank_wants:
+            name = want[0]
+            if name not in tensors:
                 continue
-            key = (name, offsets, sizes)
-            overlaps = boxes.get(key)
-            if overlaps is None:
-                overlaps = boxes[key] = intersect(meta.chunks, offsets, sizes)
-            for chunk, poff, psz in overlaps:
-                pkey = (name, poff, psz)
-                entry = pieces.get(pkey)
-                if entry is None:
-                    entry = pieces[pkey] = [chunk, math.prod(psz) * meta.itemsize, [], True]
-                entry[2].append(rank)
-                if not flags & BROADCASTABLE:
-                    entry[3] = False
-    loads = [0] * world
-    local: list[ReadItem] = []
-    groups: list[ReadItem] = []
-    for (name, poff, psz), (chunk, nbytes, ranks, ok) in pieces.items():
-        item = ReadItem(name, chunk, poff, psz, nbytes, tuple(ranks))
-        one_host = hosts is not None and len({hosts[r] for r in ranks}) == 1
-        if broadcast and ok and len(ranks) > 1 and not one_host:
-            groups.extend(_split(item, split_bytes))
-        else:
-            local.append(item)
-            for r in ranks:
-                loads[r] += nbytes
-    groups.sort(key=lambda i: (-i.nbytes, i.name, i.offsets))
-    readers = (planner or GreedyPlanner()).assign(groups, loads)
-    if len(readers) != len(groups):
-        raise ValueError(f"planner returned {len(readers)} readers for {len(groups)} replica groups")
-    assigned = []
-    for item, reader in zip(groups, readers, strict=True):
-        if reader not in item.ranks:
-            raise ValueError(f"planner chose reader {reader} for {item.name!r} outside its ranks {item.ranks}")
-        assigned.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes, item.ranks, reader))
-
-    # The agreed order: by data file, then name and offsets, so readers walk files in turn.
-    def order(i: ReadItem) -> tuple[Any, ...]:
-        return (str(tensors[i.name].chunks[i.chunk].file), i.name, i.offsets)
-
-    assigned.sort(key=order)
-    local.sort(key=order)
-    return GlobalPlan(world, tuple(assigned), tuple(local), tuple(loads))
+            key = (want[1], want[2], want[4] if len(want) > 4 else "")
+            held = out.setdefault(name, {})
+            entry = held.get(key)
+            if entry is None:
+                entry = held[key] = [[], True]
+            if not entry[0] or entry[0][-1] != rank:
+                entry[0].append(rank)
+            if not want[3] & BROADCASTABLE:
+                entry[1] = False
+    return out

@@ -20,7 +20,8 @@ class LoadReport:
     ``job_bytes_read``: ``bytes_read`` summed over all ranks; ``job_unique_bytes``: bytes of
     the distinct boxes any rank wanted (a read-once load has ``read_amplification`` 1.0).
     ``seconds``: wall time per phase (``prepare``, ``plan``, ``validate``, ``execute``,
-    ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``.
+    ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``. ``cast``:
+    tensors whose destination dtype differs from the checkpoint's, cast while loading.
     ``skipped_not_in_mesh``: DTensor entries whose device mesh does not include this rank
     (it holds no part of them, so nothing is loaded into them). ``tied``: (key, key) pairs
     of tied weights: the first key shares the second's tensor and was loaded through it.
@@ -41,6 +42,7 @@ class LoadReport:
     job_unique_bytes: int
     seconds: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    cast: tuple[str, ...] = ()
     skipped_not_in_mesh: tuple[str, ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
 
@@ -51,6 +53,7 @@ class LoadReport:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "seconds", dict(self.seconds))
         object.__setattr__(self, "missing", tuple(self.missing))
+        object.__setattr__(self, "cast", tuple(self.cast))
         object.__setattr__(self, "skipped_not_in_mesh", tuple(self.skipped_not_in_mesh))
         object.__setattr__(self, "tied", tuple(tuple(p) for p in self.tied))
 

@@ -19,7 +19,7 @@ from ._plan import ReadItem, intersect
 from ._state import Leaf
 from ._targets import Target
 
-__all__ = ["check_launch", "check_reads", "check_targets", "exchange", "summarise"]
+__all__ = ["check_dtypes", "check_launch", "check_reads", "check_targets", "exchange", "summarise"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
                       "model.to_empty(device='cpu') or device='cuda') and load into the result")
     missing: list[str] = []
     shape_bad: list[str] = []
-    dtype_bad: list[str] = []
     kind_bad: list[str] = []
     coverage_bad: list[str] = []
     keep_t: list[Target] = []
@@ -59,9 +58,6 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
             continue
         if tuple(meta.shape) != tuple(t.global_shape):
             shape_bad.append(f"{t.name!r} (state dict {tuple(t.global_shape)}, checkpoint {tuple(meta.shape)})")
-            continue
-        if meta.dtype != t.dtype:
-            dtype_bad.append(f"{t.name!r} (state dict {t.dtype}, checkpoint {meta.dtype})")
             continue
         short = _uncovered(meta.chunks, t)
         if short:
@@ -80,9 +76,6 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
     if shape_bad:
         errors.append(f"shape mismatch for {len(shape_bad)} tensor(s): {summarise(shape_bad)}; "
                       "build the model with the checkpoint's shapes")
-    if dtype_bad:
-        errors.append(f"dtype mismatch for {len(dtype_bad)} tensor(s): {summarise(dtype_bad)}; "
-                      "cast the state dict's tensors to the checkpoint's dtypes before loading")
     if kind_bad:
         errors.append(f"tensor/value mismatch for {len(kind_bad)} entr(ies): {summarise(kind_bad)}")
     if coverage_bad:
@@ -135,6 +128,32 @@ def check_launch(platform: Any, no_dist: bool, caller: str) -> None:
         "torch.distributed.init_process_group(backend=...) (for example backend='gloo' on CPU, 'nccl' on "
         f"CUDA) before {caller}, or pass no_dist=True to {caller} this rank's tensors on their own"
     )
+
+
+def _kind(dtype: str) -> str:
+    return "complex" if dtype.startswith("complex") else "real"
+
+
+def check_dtypes(targets: Sequence[Target], metadata: Any, allow_cast: bool) -> tuple[list[str], list[str]]:
+    """Destinations whose dtype differs from the checkpoint's are cast while loading, as
+    torch.distributed.checkpoint does (each piece is copied into its destination with a
+    cast: no tensor-sized temporary). Returns (errors, names of the cast tensors); with
+    ``allow_cast=False`` every mismatch is an error. Complex and real never mix."""
+    cast: list[str] = []
+    bad: list[str] = []
+    for t in targets:
+        saved = metadata.tensors[t.name].dtype
+        if saved == t.dtype:
+            continue
+        if allow_cast and _kind(saved) == _kind(t.dtype):
+            cast.append(t.name)
+        else:
+            bad.append(f"{t.name!r} (state dict {t.dtype}, checkpoint {saved})")
+    if not bad:
+        return [], cast
+    fix = ("allow_dtype_cast=False refuses casts: cast the state dict's tensors to the checkpoint's "
+           "dtypes first" if not allow_cast else "complex and real dtypes cannot be cast into each other")
+    return [f"dtype mismatch for {len(bad)} tensor(s): {summarise(bad)}; {fix}"], cast
 
 
 def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]

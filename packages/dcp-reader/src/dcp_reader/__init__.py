@@ -1,5 +1,5 @@
 """dcp-reader: safe readers for distributed checkpoints (native, Hugging Face safetensors,
-torch.distributed.checkpoint) with narrowed reads of saved chunks."""
+torch.distributed.checkpoint, hyper-parallel) with narrowed reads of saved chunks."""
 
 from ._detect import detect_format
 from ._errors import (
@@ -14,6 +14,7 @@ from ._errors import (
     UnsafePathError,
     UnsafePickleError,
 )
+from ._hyper import is_rank_local
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ._native import METADATA_FILE, chunk_key
 from ._reader import CheckpointReader, open_checkpoint
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointReader",
     "open_checkpoint",
     "detect_format",
+    "is_rank_local",
     "NativeWriter",
     "chunk_key",
     "CheckpointError",

@@ -18,13 +18,15 @@ def _overlap(a: _Chunk, b: _Chunk) -> bool:
                for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=False))
 
 
-def coverage_problems(name: str, shape: tuple[int, ...], chunks: Sequence[_Chunk]) -> list[str]:
+def coverage_problems(name: str, shape: tuple[int, ...], chunks: Sequence[_Chunk], *,
+                      allow_gaps: bool = False) -> list[str]:
     """Human-readable problems with ``chunks`` as a tiling of ``shape`` (empty list: exact).
 
     Chunks inside the shape that do not overlap and whose volumes add up to the shape's
     volume tile it exactly. Overlaps are found with a sweep along dim 0 that compares a
     chunk only with the chunks whose dim-0 range is still open, so row-sharded tensors with
-    thousands of chunks cost O(n log n) instead of O(n^2).
+    thousands of chunks cost O(n log n) instead of O(n^2). ``allow_gaps``: only overlaps
+    and overhang are problems (a rank-local view of a checkpoint).
     """
     problems: list[str] = []
     for c in chunks:
@@ -35,7 +37,7 @@ def coverage_problems(name: str, shape: tuple[int, ...], chunks: Sequence[_Chunk
         return problems
     total = math.prod(shape)
     if not shape:  # 0-dim: exactly one chunk
-        if len(chunks) != 1:
+        if len(chunks) != 1 and not (allow_gaps and not chunks):
             problems.append(f"{name!r}: a 0-dim tensor needs exactly 1 chunk, got {len(chunks)}")
         return problems
     nonempty = sorted((c for c in chunks if math.prod(c.sizes) > 0), key=lambda c: c.offsets)
@@ -50,7 +52,7 @@ def coverage_problems(name: str, shape: tuple[int, ...], chunks: Sequence[_Chunk
                 if len(problems) >= 5:
                     return problems
         active.append(c)
-    if problems:
+    if problems or allow_gaps:
         return problems
     covered = sum(math.prod(c.sizes) for c in nonempty)
     if covered != total:

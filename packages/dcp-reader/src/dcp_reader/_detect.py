@@ -6,6 +6,8 @@ import os
 
 from ._errors import MissingMetadataError
 from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
+from ._hyper import FORMAT as HYPER_FORMAT
+from ._hyper import detect_hyper
 from ._native import MARKER_KEY, MARKER_VALUE
 from ._native import METADATA_FILE as NATIVE_METADATA
 from ._safetensors_file import read_header_at
@@ -13,7 +15,7 @@ from ._torch_dcp import METADATA_FILE as DCP_METADATA
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """"native", "hf", "torch-dcp-hf" or "torch-dcp"; MissingMetadataError saying what was
+    """"native", "hf", "torch-dcp-hf", "torch-dcp" or "hyper-parallel"; MissingMetadataError saying what was
     found when the directory holds no complete checkpoint. Reads at most one file header."""
     root = os.path.realpath(os.fspath(path))
     try:
@@ -24,6 +26,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         raise MissingMetadataError("not a directory; pass the checkpoint directory", path=root) from None
     if NATIVE_METADATA in names:
         return "native"
+    if detect_hyper(root, names):  # before torch-dcp: both name their pickle .metadata
+        return HYPER_FORMAT
     if DCP_METADATA in names:
         return "torch-dcp"
     st = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))

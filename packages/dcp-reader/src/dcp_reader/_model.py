@@ -16,7 +16,8 @@ from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
 from ._values import decode_value, encode_value, is_storable_value
 
 SCHEMA_VERSION = 1
-FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp")
+FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp",
+           "hyper-parallel")  # _hyper.FORMAT
 
 
 def _int_tuple(value: Any, what: str, *, key: str | None) -> tuple[int, ...]:
@@ -153,13 +154,16 @@ class CheckpointMetadata:
     """Everything a loader needs to plan: tensors (with chunks) and non-tensor values.
 
     Creating one checks that every tensor's chunks tile its shape (CoverageError listing
-    every offending tensor).
+    every offending tensor). ``partial``: what one rank of a save without collectives wrote
+    (hyper-parallel's ``{rank}.metadata``): chunks may leave gaps, never overlap; a loader
+    must check that each box it wants is covered.
     """
 
     tensors: Mapping[str, TensorMeta]
     values: Mapping[str, ValueMeta]
     format: str
     schema_version: int = SCHEMA_VERSION
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -181,7 +185,7 @@ class CheckpointMetadata:
         problems: list[str] = []
         offenders: list[str] = []
         for name, t in self.tensors.items():
-            p = coverage_problems(name, t.shape, t.chunks)
+            p = coverage_problems(name, t.shape, t.chunks, allow_gaps=self.partial)
             if p:
                 problems.extend(p)
                 offenders.append(name)
@@ -191,7 +195,8 @@ class CheckpointMetadata:
                                 "inconsistent; re-save it", key=offenders[0], offenders=offenders)
 
     def __reduce__(self) -> Any:  # read-only mapping views do not pickle; rebuild from dicts
-        return (type(self), (dict(self.tensors), dict(self.values), self.format, self.schema_version))
+        return (type(self), (dict(self.tensors), dict(self.values), self.format, self.schema_version,
+                             self.partial))
 
     # -- JSON ------------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -213,8 +218,10 @@ class CheckpointMetadata:
             if v.storage is not None:
                 d["storage"] = list(v.storage)
             values[name] = d
-        return json.dumps({"schema_version": self.schema_version, "format": self.format,
-                           "tensors": tensors, "values": values}, separators=(",", ":"))
+        doc = {"schema_version": self.schema_version, "format": self.format, "tensors": tensors, "values": values}
+        if self.partial:
+            doc["partial"] = True
+        return json.dumps(doc, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> CheckpointMetadata:
@@ -248,7 +255,7 @@ class CheckpointMetadata:
             raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
                                 "corrupt or from an incompatible writer") from None
         return cls(tensors=tensors, values=values, format=doc.get("format", "native"),
-                   schema_version=version)
+                   schema_version=version, partial=doc.get("partial") is True)
 
 
 def _obj(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from ._errors import (
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hf import load_hf
+from ._hyper import FORMAT as HYPER_FORMAT
+from ._hyper import load_hyper, read_pickled_value
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
 from ._native import load_native
 from ._paths import check_files, resolve
@@ -187,6 +189,8 @@ class CheckpointReader:
             raise UnsafePickleError(f"value {name!r} is pickled in {v.file!r}; loading it could run code "
                                     "from the checkpoint. Pass allow_pickle=True only if you trust it",
                                     path=self.path, key=name)
+        if self.format == HYPER_FORMAT and v.storage is not None:
+            return read_pickled_value(resolve(self.path, v.file, key=name), v.storage, name)
         d = self._pickles.get(v.file)
         if d is None:
             real = resolve(self.path, v.file, key=name)
@@ -215,9 +219,12 @@ class CheckpointReader:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
-                    max_open_files: int = 64) -> CheckpointReader:
+                    max_open_files: int = 64, rank: int | None = None) -> CheckpointReader:
     """Open a checkpoint directory: detect (or take) its format, read and validate its
-    metadata (file names, existence, coverage), and return a reader."""
+    metadata (file names, existence, coverage), and return a reader.
+
+    ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
+    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
     t0 = time.perf_counter()
     root = os.path.realpath(os.fspath(path))
     fmt = detect_format(root) if format is None else format
@@ -232,6 +239,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
         meta = load_hf(root, sharded=False)
     elif fmt == "torch-dcp-hf":
         meta = load_hf(root, sharded=True)
+    elif fmt == HYPER_FORMAT:
+        meta = load_hyper(root, rank=rank)
     else:
         meta = load_torch_dcp(root)
     reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files)

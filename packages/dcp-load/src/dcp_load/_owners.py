@@ -1,0 +1,202 @@
+"""Who reads what: one owner per shared row interval, and the reader of each box in it.
+
+The rule, computed by every rank alike from the ranks holding one tensor (never from other
+tensors, so that a rank can plan only the tensors it holds):
+
+* A row interval of a saved chunk (``_segments.intervals``) that several ranks need, and
+  that is broadcastable, is cut into ``min(units, bytes // split_bytes)`` row slabs (at
+  least one). A *unit* is a host when ranks that share a page cache re-read from it
+  (``"auto"``), else a rank. All slabs needed by the same set of ranks (the holder set:
+  a data-parallel group, say) are given owners together: heaviest first, to the unit with
+  the fewest bytes of that set so far. Every member of a holder set holds the same boxes,
+  so each of them computes the same owners without knowing anything about other sets.
+* Inside a slab, each box some ranks want is read by the wanting rank nearest (in rank
+  order, ties to the lower) to the slab's anchor rank, preferring ranks on the anchor's
+  host. So the two column halves of one row slab are read on one host (where both halves
+  have a holder), which fetches the slab's pages once; the other holders receive it.
+* With ``same_host_reads`` the holders on the reader's host read the box themselves from
+  the page cache the reader filled, and only holders on other hosts receive the broadcast.
+
+A box wanted by one rank only is read by that rank. When the owner's host holds none of a
+slab's boxes' ranks, the nearest holder elsewhere reads it: the slab's pages are then
+fetched by two hosts (no rank reads a box it does not hold, so no staging memory is
+needed).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._plan import GlobalPlan, Planner, ReadItem, intersect
+from ._segments import Piece, intervals, row_bytes, split_rows, sub_box
+
+__all__ = ["PlanBuilder"]
+
+
+@functools.lru_cache(maxsize=64)
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a neutral dtype name (the checkpoint model's table)."""
+    from dcp_reader import TensorMeta
+
+    return TensorMeta("_", (), dtype, ()).itemsize
+
+
+class PlanBuilder:
+    """Accumulates the plan tensor by tensor; ``finish`` orders it (see module docstring)."""
+
+    def __init__(self, world: int, *, broadcast: bool, hosts: Sequence[str] | None,
+                 same_host_reads: bool, split_bytes: int, custom: bool):
+        self.world, self.broadcast, self.auto = world, broadcast, same_host_reads
+        self.split_bytes, self.custom = split_bytes, custom
+        self.host = list(hosts) if hosts is not None else list(range(world))
+        self.loads = [0] * world
+        self.unique = 0
+        self.broadcasts: list[ReadItem] = []
+        self.local: list[ReadItem] = []
+        self.candidates: list[ReadItem] = []  # replica groups left to a custom planner
+        # holder set -> (owner units, slabs): slabs are settled per holder set at the end
+        self.groups: dict[tuple[int, ...], tuple[list[list[int]], list[Any]]] = {}
+        self._by_host: dict[tuple[tuple[int, ...], Any], list[int]] = {}
+
+    # -- units and sources -------------------------------------------------------------
+    def units(self, wanters: Sequence[int]) -> list[list[int]]:
+        """The owner units of an interval: per host (auto) or per rank, in rank order."""
+        if not self.auto:
+            return [[r] for r in wanters]
+        out: dict[Any, list[int]] = {}
+        for r in wanters:
+            out.setdefault(self.host[r], []).append(r)
+        return list(out.values())
+
+    def source(self, ranks: tuple[int, ...], anchor: int) -> int:
+        """The holder of ``ranks`` nearest to ``anchor``, preferring ``anchor``'s host."""
+        key = (ranks, self.host[anchor])
+        near = self._by_host.get(key)
+        if near is None:
+            near = [r for r in ranks if self.host[r] == self.host[anchor]] or list(ranks)
+            self._by_host[key] = near
+        i = bisect.bisect_left(near, anchor)
+        if i == len(near) or (i > 0 and anchor - near[i - 1] <= near[i] - anchor):
+            return near[i - 1]
+        return near[i]
+
+    # -- one tensor --------------------------------------------------------------------
+    def add_tensor(self, name: str, meta: Any, held: Mapping[tuple[Any, ...], list[Any]]) -> None:
+        """Cut every box of ``name`` that some rank holds into slabs (``collect_boxes``
+        output); boxes only one rank (or no broadcast) needs are planned at once."""
+        by_chunk: dict[int, list[Piece]] = {}
+        for (offsets, sizes, dtype), (ranks, ok) in held.items():
+            rank_tuple = tuple(ranks)
+            for index, lo, sz in intersect(meta.chunks, offsets, sizes):
+                by_chunk.setdefault(index, []).append((lo, sz, dtype, rank_tuple, ok))
+        for index in sorted(by_chunk):
+            chunk = meta.chunks[index]
+            rb = row_bytes(chunk, meta.itemsize)
+            for lo, hi, members in intervals(chunk, by_chunk[index]):
+                wanters = tuple(sorted({r for m in members for r in m[3]}))
+                if not (self.broadcast and len(wanters) > 1 and all(m[4] for m in members)):
+                    self._slab(name, index, meta, members, lo, hi, None)
+                    continue
+                group = self.groups.get(wanters)
+                if group is None:
+                    group = self.groups[wanters] = (self.units(wanters), [])
+                parts = max(1, (hi - lo) * rb // self.split_bytes) if self.split_bytes > 0 else 1
+                rows = split_rows(lo, hi, min(len(group[0]), parts)) if chunk.sizes else [(0, 1)]
+                for a, b in rows:
+                    group[1].append(((b - a) * rb if chunk.sizes else meta.itemsize, name, index, a, b,
+                                     meta, members))
+
+    def _settle(self, units: list[list[int]], slabs: list[Any]) -> None:
+        """Owners of one holder set's slabs: heaviest first to the unit with the fewest
+        bytes so far (ties to the lower unit); the anchor rotates over the unit's ranks."""
+        slabs.sort(key=lambda s: (-s[0], s[1], s[2], s[3]))
+        heap = [(0, u) for u in range(len(units))]
+        taken = [0] * len(units)
+        for nbytes, name, index, a, b, meta, members in slabs:
+            load, u = heap[0]
+            heapq.heapreplace(heap, (load + nbytes, u))
+            unit = units[u]
+            anchor = unit[taken[u] % len(unit)]
+            taken[u] += 1
+            self._slab(name, index, meta, members, a, b, anchor)
+
+    def _slab(self, name: str, index: int, meta: Any, members: Sequence[Piece], a: int, b: int,
+              anchor: int | None) -> None:
+        subs: dict[tuple[Any, ...], list[Any]] = {}
+        for piece in members:
+            offsets, sizes = sub_box(piece, a, b)
+            entry = subs.setdefault((offsets, sizes, piece[2]), [set(), True])
+            entry[0].update(piece[3])
+            entry[1] = entry[1] and piece[4]
+        for (offsets, sizes, dtype), (ranks, ok) in subs.items():
+            self._emit(name, index, meta, offsets, sizes, dtype, tuple(sorted(ranks)), ok, anchor)
+
+    def _emit(self, name: str, index: int, meta: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
+              dtype: str, ranks: tuple[int, ...], ok: bool, anchor: int | None) -> None:
+        numel = math.prod(sizes)
+        stored = numel * meta.itemsize
+        nbytes = numel * (dtype_itemsize(dtype) if dtype else meta.itemsize)
+        self.unique += stored
+        item = ReadItem(name, index, offsets, sizes, nbytes, ranks, None, dtype)
+        if anchor is None or not (self.broadcast and ok and len(ranks) > 1):
+            return self._local(item, ranks, stored)
+        if self.custom:
+            if self.auto and len({self.host[r] for r in ranks}) == 1:
+                return self._local(item, ranks, stored)
+            self.candidates.append(item)
+            return None
+        src = self.source(ranks, anchor)
+        near = [r for r in ranks if self.auto and self.host[r] == self.host[src]]
+        far = [r for r in ranks if not (self.auto and self.host[r] == self.host[src])]
+        if not far:
+            return self._local(item, ranks, stored)
+        group = tuple(sorted({src, *far}))
+        self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
+        self.loads[src] += stored
+        rest = tuple(r for r in near if r != src)
+        if rest:
+            self._local(item, rest, stored)
+        return None
+
+    def _local(self, item: ReadItem, ranks: tuple[int, ...], stored: int) -> None:
+        self.local.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,
+                                   ranks, None, item.dtype))
+        for r in ranks:
+            self.loads[r] += stored
+
+    # -- the end -----------------------------------------------------------------------
+    def settle(self) -> None:
+        """Choose the owners of every holder set's slabs (in holder-set order)."""
+        for key in sorted(self.groups):
+            units, slabs = self.groups[key]
+            self._settle(units, slabs)
+        self.groups.clear()
+
+    def assign_with(self, planner: Planner) -> None:
+        """Let ``planner`` choose the reader of every replica group (heaviest first)."""
+        groups = sorted(self.candidates, key=lambda i: (-i.nbytes, i.name, i.offsets, i.dtype))
+        readers = planner.assign(groups, self.loads)
+        if len(readers) != len(groups):
+            raise ValueError(f"planner returned {len(readers)} readers for {len(groups)} replica groups")
+        for item, reader in zip(groups, readers, strict=True):
+            if reader not in item.ranks:
+                raise ValueError(f"planner chose reader {reader} for {item.name!r} outside its ranks {item.ranks}")
+            self.broadcasts.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,
+                                            item.ranks, reader, item.dtype))
+
+    def finish(self, tensors: Mapping[str, Any]) -> GlobalPlan:
+        """Settle every holder set's owners; the plan in the agreed order: by data file,
+        then name, chunk and offsets."""
+        self.settle()
+        def order(i: ReadItem) -> tuple[Any, ...]:
+            return (str(tensors[i.name].chunks[i.chunk].file), i.name, i.chunk, i.offsets, i.dtype)
+
+        self.broadcasts.sort(key=order)
+        self.local.sort(key=order)
+        return GlobalPlan(self.world, tuple(self.broadcasts), tuple(self.local), tuple(self.loads),
+                          self.unique)
