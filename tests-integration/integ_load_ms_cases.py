@@ -68,3 +68,43 @@ def ms_load_case(rank: int, world: int, path: str, expected: dict[str, Any]) -> 
     except Exception:  # noqa: BLE001 - returned for the test to show
         out["errors"].append(traceback.format_exc())
     return out
+
+
+def _net(seed: int) -> Any:
+    import mindspore as ms
+    from mindspore import nn
+
+    ms.set_seed(seed)
+    return nn.SequentialCell([nn.Dense(4, 6), nn.ReLU(), nn.Dense(6, 3)])
+
+
+def ms_net_case(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A real ``nn.Cell``'s ``parameters_dict()`` (``Parameter`` objects, whose class reports
+    module ``abc``) saved with dcp_load.save on both workers and loaded into a poisoned net;
+    one entry is loaded as ``Chunk(Parameter)`` holding a row half."""
+    import dcp_load
+    import mindspore as ms
+
+    out: dict[str, Any] = {"errors": []}
+    try:
+        src = _net(seed=1).parameters_dict()
+        saved = {k: v.asnumpy().copy() for k, v in src.items()}
+        out["types"] = sorted({f"{type(v).__module__}.{type(v).__qualname__}" for v in src.values()})
+        dcp_load.save(src, checkpoint_id=path)
+        dest = _net(seed=2).parameters_dict()
+        for p in dest.values():
+            p.asnumpy()[...] = np.nan
+        half = ms.Parameter(ms.Tensor(np.full((3, 4), np.nan, np.float32)), name="half")
+        state = {**dest, "0.weight": dcp_load.Chunk(half, (6, 4), (3 * rank, 0))}
+        report = dcp_load.load(state, checkpoint_id=path)
+        for name, p in dest.items():
+            if name == "0.weight":
+                continue
+            if not np.array_equal(p.asnumpy(), saved[name]):
+                out["errors"].append(f"rank {rank}: {name!r} holds {p.asnumpy().ravel()[:4]}")
+        if not np.array_equal(half.asnumpy(), saved["0.weight"][3 * rank:3 * rank + 3]):
+            out["errors"].append(f"rank {rank}: Chunk(Parameter) holds {half.asnumpy().ravel()[:4]}")
+        out["tensors"] = report.tensors
+    except Exception:  # noqa: BLE001 - returned for the test to show
+        out["errors"].append(traceback.format_exc())
+    return out

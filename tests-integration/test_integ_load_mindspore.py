@@ -1,7 +1,8 @@
 """dcp_load.load into MindSpore tensors (``Chunk``-annotated) on 2 real MindSpore CPU
 workers, from a native checkpoint that torch saved: replicated tensors are read once and
 broadcast on the world group (MindSpore's CPU collectives have no subgroups), hand-sharded
-and straddling boxes are read locally, targets are poisoned first."""
+and straddling boxes are read locally, targets are poisoned first. Also a real ``nn.Cell``'s
+``parameters_dict()`` (MindSpore ``Parameter`` objects) saved and loaded on the workers."""
 
 from __future__ import annotations
 
@@ -78,3 +79,15 @@ def dcp_load_chunk(t):
     import dcp_load
 
     return dcp_load.Chunk(t, tuple(t.shape), (0,) * t.dim())
+
+
+def test_a_mindspore_cell_parameters_dict_saves_and_loads(tmp_path):
+    pytest.importorskip("mindspore", reason="needs MindSpore (nox -s tests-mindspore)")
+    import integ_load_ms_cases as cases
+    from dcp_platform.testing import run_mindspore_workers
+
+    results = run_mindspore_workers(cases.ms_net_case, 2, str(tmp_path / "net"), timeout=300)
+    errors = [e for r in results for e in r["errors"]]
+    assert not errors, "\n".join(errors)
+    assert results[0]["types"] == ["abc.Parameter"]  # the type whose module name misled the old check
+    assert [r["tensors"] for r in results] == [4, 4]

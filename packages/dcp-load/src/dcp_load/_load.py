@@ -8,14 +8,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._aliases import resolve_aliases
 from ._errors import LoadError
 from ._execute import execute
 from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
-from ._targets import Target, target_for
-from ._validate import check_dtypes, check_reads, check_targets, exchange
+from ._targets import Target, in_mesh, target_for
+from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
 
@@ -63,7 +64,10 @@ def resolve_platform(platform: Any, leaves: Any) -> Any:
     for leaf in leaves:
         if is_tensor(leaf.value):
             value = leaf.value.tensor if isinstance(leaf.value, Chunk) else leaf.value
-            return get_platform(tensor=value)
+            try:
+                return get_platform(tensor=value)
+            except ValueError:
+                break  # an unsupported tensor type: target_for reports it through the exchange
     return get_platform(os.environ.get("DCP_PLATFORM") or "torch")
 
 
@@ -110,6 +114,7 @@ def load(
     strict: bool = True,
     platform: Any = None,
     allow_pickle: bool = False,
+    tied_weights: Mapping[str, str] | None = None,
     allow_dtype_cast: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
@@ -129,6 +134,11 @@ def load(
     ``allow_dtype_cast``: destinations whose dtype differs from the checkpoint's (float32
     master weights from a bfloat16 checkpoint) are cast piece by piece, as torch DCP does,
     and listed in the report's ``cast``; ``False`` refuses any dtype difference.
+    ``tied_weights``: for keys that hold one tensor (tied weights, found by shared memory),
+    ``{key: key_whose_value_it_takes}``, for example
+    ``{"lm_head.weight": "model.embed_tokens.weight"}``. Tied keys are loaded once; when the
+    checkpoint's values of tied keys differ, the load fails unless this names the winner.
+    A tied key the checkpoint lacks is filled through one it holds.
 
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
@@ -142,6 +152,7 @@ def load(
         leaves = []
         errors.append(f"{type(exc).__name__}: {exc}")
     platform = resolve_platform(platform, leaves)
+    check_launch(platform, no_dist, "load")
     rank = platform.rank()
     # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
     # loads what it saved, alone. Decided from the directory listing, which all ranks share.
@@ -156,6 +167,8 @@ def load(
     targets: list[Target] = []
     values: list[Any] = []
     missing: list[str] = []
+    outside: list[str] = []
+    tied: list[tuple[str, str]] = []
     cast: list[str] = []
     wants: list[Want] = []
     try:
@@ -164,18 +177,23 @@ def load(
                 raise _Reported()
             tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
             values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+            outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
+            tensor_leaves = [leaf for leaf in tensor_leaves if in_mesh(leaf.value)]
             targets = [target_for(leaf) for leaf in tensor_leaves]
             if reader is None:
                 from dcp_reader import open_checkpoint
 
                 reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=rank)
                 owned = True
+            errs, targets, tied = resolve_aliases(targets, reader, tied_weights)
+            errors.extend(errs)
             errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
             errors.extend(errs)
             errs, cast = check_dtypes(targets, reader.metadata, allow_dtype_cast)
             errors.extend(errs)
             caps = platform.capabilities
-            wants = [(t.name, t.offsets, t.sizes, _flags(t, caps, broadcast), t.dtype) for t in targets]
+            wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast), t.dtype)
+                     for t in targets for b in t.boxes]
         except _Reported:
             pass
         except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
@@ -229,6 +247,7 @@ def load(
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
         job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing), cast=tuple(cast),
+        skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
                  "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],

@@ -22,6 +22,9 @@ class LoadReport:
     ``seconds``: wall time per phase (``prepare``, ``plan``, ``validate``, ``execute``,
     ``finish``) and ``total``. ``missing``: names skipped with ``strict=False``. ``cast``:
     tensors whose destination dtype differs from the checkpoint's, cast while loading.
+    ``skipped_not_in_mesh``: DTensor entries whose device mesh does not include this rank
+    (it holds no part of them, so nothing is loaded into them). ``tied``: (key, key) pairs
+    of tied weights: the first key shares the second's tensor and was loaded through it.
     """
 
     rank: int
@@ -40,6 +43,8 @@ class LoadReport:
     seconds: Mapping[str, float] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
     cast: tuple[str, ...] = ()
+    skipped_not_in_mesh: tuple[str, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
@@ -49,6 +54,8 @@ class LoadReport:
         object.__setattr__(self, "seconds", dict(self.seconds))
         object.__setattr__(self, "missing", tuple(self.missing))
         object.__setattr__(self, "cast", tuple(self.cast))
+        object.__setattr__(self, "skipped_not_in_mesh", tuple(self.skipped_not_in_mesh))
+        object.__setattr__(self, "tied", tuple(tuple(p) for p in self.tied))
 
     @property
     def read_amplification(self) -> float:

@@ -22,8 +22,8 @@ from ._errors import LoadError
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
 from ._state import flatten_state_dict, is_tensor
-from ._targets import target_for
-from ._validate import exchange, summarise
+from ._targets import in_mesh, target_for
+from ._validate import check_launch, exchange, summarise
 
 __all__ = ["SaveReport", "save"]
 
@@ -117,6 +117,7 @@ def save(
     path = os.path.abspath(os.fspath(checkpoint_id))
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
+    check_launch(platform, no_dist, "save")
     rank = platform.rank()
     collective = not no_dist and platform.is_distributed()
     world = platform.world_size() if collective else 1
@@ -133,9 +134,11 @@ def save(
             writer.invalidate()  # before any rank writes: old metadata must not describe new files
         for leaf in leaves:
             if is_tensor(leaf.value):
+                if not in_mesh(leaf.value):
+                    continue  # this rank holds no part of it; the mesh's ranks write it
                 t = target_for(leaf)
                 targets[t.name] = t
-                holdings.append((t.name, t.offsets, t.sizes, t.dtype, t.global_shape))
+                holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)
             else:
                 values[leaf.name] = leaf.value
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
@@ -164,7 +167,7 @@ def save(
         if mine:
             from dcp_reader import chunk_key
 
-            data = {chunk_key(i.name, i.offsets): targets[i.name].local for i in mine}
+            data = {chunk_key(i.name, i.offsets): targets[i.name].view(i.offsets, i.sizes) for i in mine}
             writer.write_file(_file_name(me), data)
             written, nbytes = len(mine), sum(i.nbytes for i in mine)
         if me == 0:

@@ -74,18 +74,17 @@ class Chunk:
 def is_tensor(value: Any) -> bool:
     """A value that is loaded in place: a torch or MindSpore tensor, or a ``Chunk``.
 
-    Frameworks are looked up only when already imported, so none is imported here.
+    Decided by type, subclasses included (torch ``nn.Parameter``; MindSpore ``Parameter``,
+    whose class reports module ``abc``, so the module name cannot decide). Frameworks are
+    looked up only when already imported, so none is imported here.
     """
     if isinstance(value, Chunk):
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return True
-    module = type(value).__module__ or ""
-    if module.split(".", 1)[0] == "mindspore":
-        ms = sys.modules.get("mindspore")
-        return ms is not None and isinstance(value, ms.Tensor)
-    return False
+    ms = sys.modules.get("mindspore")
+    return ms is not None and isinstance(value, ms.Tensor)
 
 
 @dataclass(frozen=True)

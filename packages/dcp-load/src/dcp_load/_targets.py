@@ -1,21 +1,25 @@
 """What each rank wants: the box of the global tensor every state dict entry holds.
 
-A torch DTensor holds the box its mesh and placements give this rank (uneven shards
-included); a plain tensor holds the whole tensor; a ``Chunk`` holds the box it names.
+A torch DTensor holds what its mesh and placements give this rank, computed with torch's
+own sharding functions (uneven and strided shards included): one box, or several when its
+local rows are not contiguous in the global tensor (``_StridedShard``); a plain tensor
+holds the whole tensor; a ``Chunk`` holds the box it names.
 Framework specifics (views of a sub-box, copies, dtype names) sit behind a small adapter
 per framework; each framework is imported only when a tensor of it is met.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._state import Chunk, Leaf
 
-__all__ = ["FrameworkAdapter", "Target", "adapter_for", "target_for"]
+__all__ = ["Box", "FrameworkAdapter", "Target", "adapter_for", "boxes_at", "dim_indices", "in_mesh", "target_for"]
 
 
 class FrameworkAdapter(Protocol):
@@ -116,10 +120,23 @@ class _SubBox:
 _ADAPTERS: dict[str, FrameworkAdapter] = {}
 
 
+def _framework_of(tensor: Any) -> str | None:
+    """``"torch"`` or ``"mindspore"`` by type (subclasses included: ``nn.Parameter``, and
+    MindSpore's ``Parameter``, whose class lives in module ``abc``), else None. A framework
+    is looked up only when already imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tensor, torch.Tensor):
+        return "torch"
+    ms = sys.modules.get("mindspore")
+    if ms is not None and isinstance(tensor, ms.Tensor):
+        return "mindspore"
+    return None
+
+
 def adapter_for(tensor: Any) -> FrameworkAdapter:
     """The adapter of ``tensor``'s framework (created once per process, on first use)."""
-    top = (type(tensor).__module__ or "").split(".", 1)[0]
-    if top not in ("torch", "mindspore"):
+    top = _framework_of(tensor)
+    if top is None:
         raise TypeError(
             f"unsupported tensor type {type(tensor).__module__}.{type(tensor).__qualname__}: "
             "load and save take torch or MindSpore tensors (wrap a hand-sharded one in dcp_load.Chunk)"
@@ -131,55 +148,177 @@ def adapter_for(tensor: Any) -> FrameworkAdapter:
 
 
 @dataclass(frozen=True)
-class Target:
-    """One tensor entry of this rank's state dict and the box of the global tensor it holds.
+class Box:
+    """A box ``[offsets, offsets + sizes)`` of the global tensor that a target holds at
+    ``[local_offsets, local_offsets + sizes)`` of its local tensor."""
 
-    ``local`` is the tensor written in place (a DTensor's local shard, detached); its
-    element ``i`` is element ``offsets + i`` of the global tensor.
-    """
-
-    name: str
-    global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    dtype: str
-    local: Any
-    adapter: FrameworkAdapter
+    local_offsets: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not (len(self.global_shape) == len(self.offsets) == len(self.sizes)):
-            raise ValueError(
-                f"{self.name!r}: global shape {self.global_shape}, offsets {self.offsets} and "
-                f"sizes {self.sizes} differ in rank"
-            )
+        if not (len(self.offsets) == len(self.sizes) == len(self.local_offsets)):
+            raise ValueError(f"Box: offsets {self.offsets}, sizes {self.sizes} and local_offsets "
+                             f"{self.local_offsets} differ in rank")
+        if any(v < 0 for v in (*self.offsets, *self.sizes, *self.local_offsets)):
+            raise ValueError(f"Box: negative offsets or sizes: offsets {self.offsets}, sizes "
+                             f"{self.sizes}, local_offsets {self.local_offsets}")
 
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
+    def contains(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+        """Whether the global box ``[offsets, offsets + sizes)`` lies inside this box."""
+        return len(offsets) == len(self.offsets) and all(
+            b <= o and o + n <= b + m for o, n, b, m in zip(offsets, sizes, self.offsets, self.sizes, strict=True))
+
+
+@dataclass(frozen=True)
+class Target:
+    """One tensor entry of this rank's state dict and the boxes of the global tensor it holds.
+
+    ``local`` is the tensor written in place (a DTensor's local shard, detached).
+    ``boxes`` do not overlap and together tile ``local``: box ``b``'s element ``i`` is
+    element ``b.offsets + i`` of the global tensor and ``b.local_offsets + i`` of ``local``.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    dtype: str
+    local: Any
+    adapter: FrameworkAdapter
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "boxes", tuple(self.boxes))
+        bad = [b for b in self.boxes if len(b.offsets) != len(self.global_shape)]
+        if bad:
+            raise ValueError(f"{self.name!r}: global shape {self.global_shape} and box offsets "
+                             f"{bad[0].offsets} differ in rank")
+
+    @classmethod
+    def single(cls, name: str, global_shape: tuple[int, ...], offsets: tuple[int, ...],
+               sizes: tuple[int, ...], dtype: str, local: Any, adapter: FrameworkAdapter) -> Target:
+        """A target that holds one box, which is its whole local tensor."""
+        if not (len(global_shape) == len(offsets) == len(sizes)):
+            raise ValueError(f"{name!r}: global shape {global_shape}, offsets {offsets} and "
+                             f"sizes {sizes} differ in rank")
+        return cls(name, global_shape, (Box(offsets, sizes, (0,) * len(sizes)),), dtype, local, adapter)
+
+    def _one_box(self) -> Box:
+        if len(self.boxes) != 1:
+            raise ValueError(f"{self.name!r} holds {len(self.boxes)} boxes of the global tensor, "
+                             "not one: iterate Target.boxes")
+        return self.boxes[0]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The global offsets of a one-box target (``ValueError`` for several boxes)."""
+        return self._one_box().offsets
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes of a one-box target (``ValueError`` for several boxes)."""
+        return self._one_box().sizes
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.boxes)
+
     def view(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
-        """The destination for the global box ``[offsets, offsets+sizes)`` inside this target."""
-        rel = tuple(o - b for o, b in zip(offsets, self.offsets, strict=True))
-        return self.adapter.view(self.local, rel, sizes)
+        """The destination for the global box ``[offsets, offsets+sizes)``, which must lie
+        inside one of this target's boxes."""
+        offsets, sizes = tuple(offsets), tuple(sizes)
+        for b in self.boxes:
+            if b.contains(offsets, sizes):
+                rel = tuple(lo + o - bo for lo, o, bo in zip(b.local_offsets, offsets, b.offsets, strict=True))
+                return self.adapter.view(self.local, rel, sizes)
+        raise ValueError(f"{self.name!r}: the global box offsets={offsets} sizes={sizes} lies inside "
+                         f"none of this rank's boxes {[(b.offsets, b.sizes) for b in self.boxes]}")
 
 
-def _dtensor_box(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...], Any]:
+def _runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """(global start, length, local start) of each run of consecutive global indices."""
+    runs: list[tuple[int, int, int]] = []
+    for local, g in enumerate(index):
+        if runs and runs[-1][0] + runs[-1][1] == g:
+            start, n, lstart = runs[-1]
+            runs[-1] = (start, n + 1, lstart)
+        else:
+            runs.append((g, 1, local))
+    return runs
+
+
+def _check_placements(placements: Sequence[Any]) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    unsupported = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
-    if unsupported:
-        raise TypeError(
-            f"DTensor placements {list(tensor.placements)} are not supported: only Shard and "
-            f"Replicate hold a box of the global tensor (got {unsupported}); redistribute first"
-        )
+    partial = [p for p in placements if p.is_partial()]
+    if partial:
+        raise TypeError(f"DTensor placements {list(placements)}: a Partial placement holds unreduced "
+                        "values, not a part of the global tensor; call .redistribute(placements="
+                        "[Replicate() or Shard(d) ...]) or .full_tensor() before loading or saving")
+    other = [p for p in placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
+    if other:
+        raise TypeError(f"DTensor placements {list(placements)}: {other} not supported (Shard, "
+                        "_StridedShard and Replicate are); redistribute first")
+
+
+def dim_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                placements: Sequence[Any]) -> dict[int, list[int]]:
+    """For each sharded dim, the global index of every local position along it, at
+    ``coordinate`` of a mesh of ``mesh_shape``.
+
+    Walks the placements left to right as torch's ``_compute_local_shape_and_global_offset``
+    does, calling torch's own per-placement step (``_get_shard_size_and_offsets``, which
+    applies ``Shard`` and ``_StridedShard`` splitting) and keeping every index instead of
+    only the first.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    _check_placements(placements)
+    shape = [int(s) for s in global_shape]
+    index: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        size, offsets = _get_shard_size_and_offsets(shape[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim], p,
+                                                    index.get(p.dim), int(global_shape[p.dim]), False)
+        shape[p.dim] = size
+        index[p.dim] = offsets[:size]
+    return {d: [int(i) for i in idx.tolist()] for d, idx in index.items()}
+
+
+def boxes_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+             placements: Sequence[Any]) -> tuple[Box, ...]:
+    """The boxes the rank at ``coordinate`` holds: runs of consecutive global indices along
+    each dim, crossed (none when it holds no element)."""
+    indices = dim_indices(global_shape, mesh_shape, coordinate, placements)
+    per_dim = [_runs(indices[d]) if d in indices else [(0, int(n), 0)] for d, n in enumerate(global_shape)]
+    return tuple(Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
+                 for combo in itertools.product(*per_dim))
+
+
+def _dtensor_boxes(tensor: Any, coordinate: Sequence[int]) -> tuple[tuple[Box, ...], Any]:
     local = tensor.detach().to_local()
     if local.requires_grad:
         local = local.detach()
-    shape, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape), local
+    global_shape = tuple(int(s) for s in tensor.shape)
+    mesh_shape = tuple(tensor.device_mesh.shape)
+    boxes = boxes_at(global_shape, mesh_shape, coordinate, tensor.placements)
+    if local.numel() == 0 or not boxes:
+        # An empty shard: one empty box where torch places it, so that the tensor is still named.
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        boxes = (Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), (0,) * len(sizes)),)
+    held = tuple(max(b.local_offsets[d] + b.sizes[d] for b in boxes) for d in range(len(global_shape)))
+    if held != tuple(local.shape):
+        raise ValueError(f"DTensor of global shape {global_shape} with placements {list(tensor.placements)}: "
+                         f"its local shape {tuple(local.shape)} differs from the {held} torch's sharding gives")
+    return boxes, local
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -190,6 +329,11 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
+def in_mesh(value: Any) -> bool:
+    """False for a DTensor whose device mesh does not include this rank (it holds nothing)."""
+    return not _is_dtensor(value) or value.device_mesh.get_coordinate() is not None
+
+
 def target_for(leaf: Leaf) -> Target:
     """The target of a tensor leaf (see ``dcp_load._state.is_tensor``)."""
     value = leaf.value
@@ -198,14 +342,17 @@ def target_for(leaf: Leaf) -> Target:
         adapter = adapter_for(local)
         if adapter.name == "torch" and local.requires_grad:
             local = local.detach()
-        return Target(leaf.name, value.global_shape, value.offsets, value.sizes,
-                      adapter.dtype_name(local), local, adapter)
+        return Target.single(leaf.name, value.global_shape, value.offsets, value.sizes,
+                             adapter.dtype_name(local), local, adapter)
     if _is_dtensor(value):
-        offsets, sizes, local = _dtensor_box(value)
+        coordinate = value.device_mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError(f"{leaf.name!r}: this rank is not in the DTensor's device mesh "
+                             f"{value.device_mesh}, so it holds no part of it")
+        boxes, local = _dtensor_boxes(value, coordinate)
         adapter = adapter_for(local)
-        return Target(leaf.name, tuple(int(s) for s in value.shape), offsets, sizes,
-                      adapter.dtype_name(local), local, adapter)
+        return Target(leaf.name, tuple(int(s) for s in value.shape), boxes, adapter.dtype_name(local), local, adapter)
     adapter = adapter_for(value)
     local = value.detach() if adapter.name == "torch" else value
     shape = tuple(int(s) for s in value.shape)
-    return Target(leaf.name, shape, (0,) * len(shape), shape, adapter.dtype_name(value), local, adapter)
+    return Target.single(leaf.name, shape, (0,) * len(shape), shape, adapter.dtype_name(value), local, adapter)

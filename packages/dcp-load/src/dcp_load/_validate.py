@@ -14,11 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._errors import LoadError
+from ._keys import missing_advice
 from ._plan import ReadItem, intersect
 from ._state import Leaf
 from ._targets import Target
 
-__all__ = ["check_dtypes", "check_reads", "check_targets", "exchange", "summarise"]
+__all__ = ["check_dtypes", "check_launch", "check_reads", "check_targets", "exchange", "summarise"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
     ``strict`` is False).
     """
     errors: list[str] = []
+    meta_dev = [repr(t.name) for t in targets if t.adapter.device_type(t.local) == "meta"]
+    if meta_dev:
+        errors.append(f"{len(meta_dev)} destination tensor(s) are on the 'meta' device, which holds no "
+                      f"memory to load into: {summarise(meta_dev)}; materialise them first (for example "
+                      "model.to_empty(device='cpu') or device='cuda') and load into the result")
     missing: list[str] = []
     shape_bad: list[str] = []
     kind_bad: list[str] = []
@@ -53,10 +59,9 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
         if tuple(meta.shape) != tuple(t.global_shape):
             shape_bad.append(f"{t.name!r} (state dict {tuple(t.global_shape)}, checkpoint {tuple(meta.shape)})")
             continue
-        covered = sum(math.prod(s) for _, _, s in intersect(meta.chunks, t.offsets, t.sizes))
-        if covered < t.numel:
-            coverage_bad.append(f"{t.name!r} box offsets={t.offsets} sizes={t.sizes}: "
-                                f"{covered} of {t.numel} elements saved")
+        short = _uncovered(meta.chunks, t)
+        if short:
+            coverage_bad.append(f"{t.name!r} {short}")
             continue
         keep_t.append(t)
     for leaf in values:
@@ -66,10 +71,8 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
             kind_bad.append(f"{leaf.name!r} (state dict: {type(leaf.value).__name__} value, checkpoint: tensor)")
         else:
             missing.append(leaf.name)
-    if missing and strict:
-        errors.append(f"{len(missing)} key(s) of the state dict are missing from the checkpoint: "
-                      f"{summarise([repr(n) for n in missing])}; remove them from the state dict or pass strict=False "
-                      "to load the rest")
+    errors.extend(_missing_errors(missing, [*metadata.tensors, *metadata.values], strict,
+                                  loaded=len(keep_t) + len(keep_v)))
     if shape_bad:
         errors.append(f"shape mismatch for {len(shape_bad)} tensor(s): {summarise(shape_bad)}; "
                       "build the model with the checkpoint's shapes")
@@ -79,6 +82,52 @@ def check_targets(targets: Sequence[Target], values: Sequence[Leaf], metadata: A
         errors.append(f"the checkpoint's chunks do not cover {len(coverage_bad)} wanted box(es): "
                       f"{summarise(coverage_bad)}; the checkpoint is incomplete")
     return errors, keep_t, keep_v, (missing if not strict else [])
+
+
+def _missing_errors(missing: Sequence[str], saved: Sequence[str], strict: bool, loaded: int) -> list[str]:
+    """The error for keys the checkpoint lacks (strict), or for a non-strict load that would
+    load nothing at all; a non-strict load that leaves some keys unloaded warns instead."""
+    if not missing:
+        return []
+    names = summarise([repr(n) for n in missing])
+    advice = missing_advice(missing, saved)
+    advice = f"; {advice}" if advice else ""
+    if strict:
+        return [f"{len(missing)} key(s) of the state dict are missing from the checkpoint: {names}{advice}; "
+                "rename them to match, remove them from the state dict, or pass strict=False to load the rest"]
+    if not loaded:
+        return [f"strict=False, but none of the state dict's {len(missing)} key(s) is in the checkpoint, so "
+                f"nothing would be loaded: {names}{advice}"]
+    logger.warning("strict=False: %d key(s) of the state dict are not in the checkpoint and keep their "
+                   "current values: %s", len(missing), summarise([repr(n) for n in missing], limit=5))
+    return []
+
+
+def _uncovered(chunks: Any, target: Target) -> str:
+    """A description of the first box of ``target`` the saved chunks do not cover, or ''."""
+    for box in target.boxes:
+        covered = sum(math.prod(s) for _, _, s in intersect(chunks, box.offsets, box.sizes))
+        if covered < box.numel:
+            return f"box offsets={box.offsets} sizes={box.sizes}: {covered} of {box.numel} elements saved"
+    return ""
+
+
+def check_launch(platform: Any, no_dist: bool, caller: str) -> None:
+    """Refuse to run as a world of one when the launcher started several processes.
+
+    torchrun (and other launchers) set ``WORLD_SIZE``; without a process group each process
+    would load or save alone, unaware of the others. Raised locally: there is no group to
+    tell the other ranks through, and every one of them finds the same thing.
+    """
+    world = os.environ.get("WORLD_SIZE", "")
+    if no_dist or not world.isdigit() or int(world) <= 1 or platform.is_distributed():
+        return
+    raise RuntimeError(
+        f"{caller}: WORLD_SIZE={world} is set (a launcher such as torchrun started {world} processes) but "
+        "no process group is initialised, so this process would run as a world of one: call "
+        "torch.distributed.init_process_group(backend=...) (for example backend='gloo' on CPU, 'nccl' on "
+        f"CUDA) before {caller}, or pass no_dist=True to {caller} this rank's tensors on their own"
+    )
 
 
 def _kind(dtype: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any
 
 from ._base import Platform
@@ -22,12 +23,15 @@ PLATFORM_NAMES: tuple[str, ...] = tuple(_BACKENDS)
 
 
 def _name_from_tensor(tensor: Any) -> str | None:
-    module = type(tensor).__module__ or ""
-    top = module.split(".", 1)[0]
-    if top == "torch":
+    """The backend of ``tensor`` by type, subclasses included (torch ``nn.Parameter``;
+    MindSpore ``Parameter``, whose class reports module ``abc``). Only frameworks already
+    imported are looked up: a tensor of a framework implies it was imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tensor, torch.Tensor):
         device = getattr(tensor, "device", None)
         return "ascend" if getattr(device, "type", None) == "npu" else "torch"
-    if top == "mindspore":
+    ms = sys.modules.get("mindspore")
+    if ms is not None and isinstance(tensor, ms.Tensor):
         return "mindspore"
     return None
 

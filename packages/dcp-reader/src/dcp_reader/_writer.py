@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,10 +29,8 @@ def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
     tensor, without copying a contiguous host tensor."""
     import numpy as np
 
-    mod = type(t).__module__
-    if mod.startswith("torch"):
-        import torch
-
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):  # by type: nn.Parameter and other subclasses too
         t = t.detach()
         if t.device.type != "cpu":
             t = t.cpu()
@@ -43,7 +42,8 @@ def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
         t = t.contiguous().reshape(-1)
         raw = t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
         return dtype, shape, raw
-    if not isinstance(t, np.ndarray) and hasattr(t, "asnumpy"):  # MindSpore Tensor
+    ms = sys.modules.get("mindspore")
+    if ms is not None and isinstance(t, ms.Tensor):  # MindSpore Tensor or Parameter (module "abc")
         t = t.asnumpy()
     if isinstance(t, np.ndarray):
         dtype = t.dtype.name
