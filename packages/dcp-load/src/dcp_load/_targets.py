@@ -238,16 +238,20 @@ class Target:
                          f"none of this rank's boxes {[(b.offsets, b.sizes) for b in self.boxes]}")
 
 
-def _runs(index: list[int]) -> list[tuple[int, int, int]]:
-    """(global start, length, local start) of each run of consecutive global indices."""
-    runs: list[tuple[int, int, int]] = []
-    for local, g in enumerate(index):
-        if runs and runs[-1][0] + runs[-1][1] == g:
-            start, n, lstart = runs[-1]
-            runs[-1] = (start, n + 1, lstart)
-        else:
-            runs.append((g, 1, local))
-    return runs
+def _runs(index: Any) -> list[tuple[int, int, int]]:
+    """(global start, length, local start) of each run of consecutive global indices
+    (``index``: a 1-D integer tensor or a list). Vectorised: an embedding's 16k rows per
+    rank cost one diff, not a Python loop per row."""
+    import torch
+
+    idx = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
+    if idx.numel() == 0:
+        return []
+    breaks = (torch.nonzero(idx[1:] - idx[:-1] != 1).reshape(-1) + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, int(idx.numel())]
+    first = idx[starts].tolist()
+    return [(int(g), e - s, s) for g, s, e in zip(first, starts, ends, strict=True)]
 
 
 def _check_placements(placements: Sequence[Any]) -> None:
@@ -266,8 +270,8 @@ def _check_placements(placements: Sequence[Any]) -> None:
 
 
 def dim_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
-                placements: Sequence[Any]) -> dict[int, list[int]]:
-    """For each sharded dim, the global index of every local position along it, at
+                placements: Sequence[Any]) -> dict[int, Any]:
+    """For each sharded dim, the global index (a 1-D tensor) of every local position along it, at
     ``coordinate`` of a mesh of ``mesh_shape``.
 
     Walks the placements left to right as torch's ``_compute_local_shape_and_global_offset``
@@ -288,7 +292,7 @@ def dim_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coordina
                                                     index.get(p.dim), int(global_shape[p.dim]), False)
         shape[p.dim] = size
         index[p.dim] = offsets[:size]
-    return {d: [int(i) for i in idx.tolist()] for d, idx in index.items()}
+    return dict(index)
 
 
 def boxes_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
