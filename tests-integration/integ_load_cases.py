@@ -119,7 +119,8 @@ def dtensor(name: str, mesh: Any, placements: Sequence[Any]) -> Any:
     return distribute_tensor(poison_like(full(name)), mesh, list(placements), src_data_rank=None)
 
 
-def local_expected(name: str, value: Any) -> torch.Tensor:
+def local_expected(name: str, value: Any, full: Callable[[str], torch.Tensor] = full) -> torch.Tensor:
+    """The part of the global tensor ``full(name)`` that ``value`` holds on this rank."""
     from dcp_load import Chunk
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 import torch
-from integ_load_cases import local_of, poison_like, report, run_case, same
+from integ_load_cases import local_expected, local_of, poison_like, report, run_case, same
 
 # name -> (shape, dtype); saved as 4 ranks' Shard(0) chunks (odd.w unevenly), "embed.weight"
 # and "ints" with each rank's rows in two chunks (ragged __dcp_chunk_ keys)
@@ -59,17 +59,7 @@ def saved_by(rank: int, world: int) -> dict[str, Any]:
 
 
 def expected(name: str, value: Any) -> torch.Tensor:
-    from dcp_load import Chunk
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    t = full(name)
-    if isinstance(value, Chunk):
-        return t[tuple(slice(o, o + s) for o, s in zip(value.offsets, value.sizes, strict=True))]
-    if isinstance(value, DTensor):
-        shape, off = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return t[tuple(slice(o, o + s) for o, s in zip(off, shape, strict=True))]
-    return t
+    return local_expected(name, value, full)
 
 
 def _check(state: dict[str, Any], errors: list[str], where: str, values: bool = True) -> None:
