@@ -26,8 +26,9 @@ class _Runner:
     """Issues the transfers this rank takes part in; waits oldest first beyond the cap."""
 
     def __init__(self, platform: Platform, items: Sequence[BroadcastItem], groups: GroupManager,
-                 max_in_flight: int, prepare: Callable[[int], Any] | None):
+                 max_in_flight: int, prepare: Callable[[int], Any] | None, watch: Any = None):
         self.platform, self.items, self.groups = platform, items, groups
+        self.watch = watch
         self.max_in_flight, self.prepare = max_in_flight, prepare
         self.rank = platform.rank()
         self.uint8 = platform.dtype_from_name("uint8")
@@ -64,7 +65,10 @@ class _Runner:
         handle, finish = self.in_flight.popleft()
         t0 = time.perf_counter()
         if handle is not None:
-            handle.wait()
+            if self.watch is not None:
+                self.watch.wait(handle)  # bounded: raises PeerFailure when a peer failed
+            else:
+                handle.wait()
         t1 = time.perf_counter()
         self.wait_s += t1 - t0
         if finish is not None:
@@ -123,6 +127,7 @@ def broadcast_items(
     groups: GroupManager | Mapping[tuple[int, ...], Any] | None = None,
     check_schedule: bool = False,
     prepare: Callable[[int], Any] | None = None,
+    watch: Any = None,
 ) -> BroadcastStats:
     """Move every item from its source to the other ranks of its group; call on every rank.
 
@@ -161,11 +166,11 @@ def broadcast_items(
         plan = build_plan(items, 0)
     logger.debug("rank %d: planned %d broadcast(s) for %d item(s) in %.4f s", rank, len(plan),
                  len(items), time.perf_counter() - t_plan)
-    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups)
+    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
     owned = manager is not groups
     with manager if owned else nullcontext(manager):
         manager.ensure({t.ranks for t in plan})
-        runner = _Runner(platform, items, manager, max_in_flight, prepare)
+        runner = _Runner(platform, items, manager, max_in_flight, prepare, watch)
         t_run = time.perf_counter()
         runner.run(plan)
         logger.debug(
