@@ -47,6 +47,12 @@ class _Runner:
             while len(self.in_flight) >= self.max_in_flight:
                 self._retire_oldest()
             buf, finish = self._stage(transfer, member)
+            # A non-contiguous tensor sent alone travels through a full-size contiguous
+            # temporary (Platform.broadcast): send it with nothing else in flight and wait
+            # for it at once, so that at most one such temporary exists at a time.
+            alone = not transfer.batched and _needs_temporary(buf)
+            while alone and self.in_flight:
+                self._retire_oldest()
             group = self.groups.get(transfer.ranks)
             t0 = time.perf_counter()
             handle = self.platform.broadcast(buf, transfer.src, group)
@@ -58,6 +64,8 @@ class _Runner:
                     finish()
             else:
                 self.in_flight.append((handle, finish))
+                if alone:
+                    self._retire_oldest()
         while self.in_flight:
             self._retire_oldest()
 
@@ -86,17 +94,18 @@ class _Runner:
                 self.bytes_sent += moved
             else:
                 self.bytes_received += moved
+        if not member:
+            # World-group fallback: receive into scratch and drop it. A broadcast delivers
+            # the whole buffer, so the scratch is as large as the transfer (README,
+            # "Memory"); it is allocated after the in-flight wait like any staging.
+            return platform.empty((transfer.nbytes,), self.uint8), None
         if not transfer.batched:
             index = transfer.indices[0]
-            if not member:  # world-group fallback: receive into scratch and drop it
-                return platform.empty((transfer.nbytes,), self.uint8), None
             if is_src and self.prepare is not None:
                 self.prepare(index)
             return items[index].tensor, None
         t0 = time.perf_counter()
         staging = platform.empty((transfer.nbytes,), self.uint8)
-        if not member:  # world-group fallback: receive the batch into staging and drop it
-            return staging, None
         self.items_batched += len(transfer.indices)
         assert transfer.offsets is not None
         tensors = [items[i].tensor for i in transfer.indices]
@@ -116,6 +125,11 @@ class _Runner:
             platform.fused_copy(tensors, views)
 
         return staging, scatter
+
+
+def _needs_temporary(tensor: Any) -> bool:
+    contiguous = getattr(tensor, "is_contiguous", None)
+    return contiguous is not None and not contiguous()
 
 
 def broadcast_items(
