@@ -85,7 +85,7 @@ class Watch:
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Watch:
         if self._store is not None:
-            self._store.set(self._key("hb", self.rank), "0")
+            self._store.add(self._key("hb", self.rank), 1)
             self._thread = threading.Thread(target=self._run, name=f"dcp-watch-{self.name}", daemon=True)
             self._thread.start()
         return self
@@ -142,24 +142,25 @@ class Watch:
     # -- the heartbeat thread -------------------------------------------------------------
     def _run(self) -> None:
         successor = (self.rank + 1) % self.world
-        last: bytes | None = None
+        last = -1
         changed = time.monotonic()
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self._beats += 1
-                self._store.set(self._key("hb", self.rank), str(self._beats))
+                # Counters through add(): reading a key with add(key, 0) never blocks,
+                # where get() on a key its owner just removed would wait for the store
+                # timeout. 0 means the successor closed its watch (removed its key).
+                self._store.add(self._key("hb", self.rank), 1)
                 cause = self._read_abort()
                 if cause is not None:
                     self._set_cause(cause)
                     continue
-                if not self._arrived.is_set() or successor == self.rank:
+                if not self._arrived.is_set() or successor == self.rank or last == 0:
                     continue
-                key = self._key("hb", successor)
-                value = self._store.get(key) if self._store.check([key]) else b"gone"
+                value = self._store.add(self._key("hb", successor), 0)
                 now = time.monotonic()
                 if value != last:
                     last, changed = value, now
-                elif value != b"gone" and now - changed >= self.stale_s:
+                elif now - changed >= self.stale_s:
                     dead = {successor: (f"stopped responding: its heartbeat did not change for "
                                         f"{now - changed:.0f} s (the process died, was killed or hangs)",)}
                     self.abort(dead)
