@@ -17,7 +17,9 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
   dead in the abort key (with at least one live rank, some live rank watches a dead one).
 
 Store traffic per rank: three operations per ``HEARTBEAT_S`` (2 s), so a 16k-rank job
-puts ~24k operations per second on the store, independent of how many collectives run.
+puts ~24k operations per second on the store, independent of how many collectives run;
+while arriving, two per second; after an arrival timeout one rank checks every rank's key
+once (the others wait for its verdict).
 Without a store (MindSpore) nothing is bounded: waits block as the backend does.
 """
 
@@ -195,13 +197,25 @@ class Watch:
                 self._set_cause(cause)
                 self.check()
             if time.monotonic() >= end:
-                missing = [r for r in range(self.world) if not self._store.check([self._key("hb", r)])]
-                self.abort({r: (f"did not reach {self.name.split('/')[0]} within {timeout:g} s of "
-                                f"the first rank (ranks arrived: {self.world - len(missing)} of "
-                                f"{self.world})",) for r in missing})
-                self._set_cause(self._read_abort() or {})
-                self.check()
+                self._name_missing(timeout)
         self._arrived.set()
+
+    def _name_missing(self, timeout: float) -> None:
+        """After the arrival timeout: one rank lists who is missing (one store check per
+        rank, on this error path only); the others wait for its abort, then raise it."""
+        if self._store.add(self._key("expired"), 1) == 1:
+            missing = [r for r in range(self.world) if not self._store.check([self._key("hb", r)])]
+            self.abort({r: (f"did not reach {self.name.split('/')[0]} within {timeout:g} s of "
+                            f"the first rank (ranks arrived: {self.world - len(missing)} of "
+                            f"{self.world})",) for r in missing})
+        end = time.monotonic() + max(30.0, 10 * self.heartbeat_s)
+        cause = self._read_abort()
+        while cause is None and time.monotonic() < end:
+            time.sleep(0.1)
+            cause = self._read_abort()
+        self._set_cause(cause or {self.rank: (f"timed out after {timeout:g} s waiting for the other "
+                                              "ranks to arrive",)})
+        self.check()
 
     def wait(self, handle: Handle | None) -> None:
         """Wait for ``handle`` in slices, raising ``PeerFailure`` once a failure is published.
