@@ -1,7 +1,8 @@
 """dcp_platform.Watch and Platform.wait on 3 real gloo ranks (one launch): a bounded wait
 returns False before the source sends and True after; gather and a watched broadcast
 deliver; a rank that never arrives is named after the arrival timeout; a published abort
-reaches ranks blocked in a local wait within the heartbeat interval."""
+reaches ranks blocked in a local wait within the heartbeat interval; a platform whose
+default group is not gloo sends control traffic over one shared gloo group."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def test_watch_names_the_rank_that_never_arrived(results):
         assert late["error"] is not None and list(late["error"]) == [WORLD - 1]
         assert "did not reach t within 1.5 s" in late["error"][WORLD - 1][0]
         assert 1.4 < late["seconds"] < 5.0
+
+
+def test_control_traffic_over_one_shared_gloo_group_when_not_gloo(results):
+    for r in results:
+        c = r["control"]
+        assert c["gathered"] == [list(range(WORLD)), [0.0, 0.0]] * 3
+        assert c["groups_added"] == 1 and c["is_gloo"]
 
 
 def test_watch_abort_reaches_every_waiting_rank(results):

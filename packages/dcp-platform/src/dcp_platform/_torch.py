@@ -51,6 +51,25 @@ def _timed_out(handle: Any, exc: BaseException) -> bool:
     return completed is not None and not completed() and "timed out" in str(exc).lower()
 
 
+# The gloo control group of each default process group, by id of that group. A cache by
+# design: dcp-load makes a platform object per load, and a new gloo group per load would
+# leak one group per load. An entry counts only while its group is still registered with
+# torch.distributed (destroy_process_group() unregisters every group), so a re-initialised
+# default group gets a fresh one.
+_CONTROL_GROUPS: dict[int, Any] = {}
+
+
+def _control_group_for(timeout: timedelta) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    key = id(c10d._get_default_group())
+    group = _CONTROL_GROUPS.get(key)
+    if group is None or group not in c10d._world.pg_map:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        _CONTROL_GROUPS[key] = group
+    return group
+
+
 class TorchPlatform(Platform):
     """torch.distributed over gloo (host tensors) or NCCL (CUDA tensors).
 
@@ -143,12 +162,13 @@ class TorchPlatform(Platform):
         """A host-memory (gloo) group over the world for small control messages.
 
         The default group when it is gloo; under NCCL/HCCL a gloo group created on first
-        use (a collective: every rank reaches it in its first all-gather).
+        use (a collective: every rank reaches it in its first all-gather) and shared by
+        every platform object of this default group (see ``_CONTROL_GROUPS``).
         """
         if "gloo" in self._backend:
             return None
         if self._control is None:
-            self._control = dist.new_group(backend="gloo", timeout=self._group_timeout)
+            self._control = _control_group_for(self._group_timeout)
         return self._control
 
     def store(self) -> Any:
