@@ -34,6 +34,7 @@ class _WatchedHandle:
         if self.inner is not None:
             self.inner.wait()
         self.owner.outstanding -= 1
+        self.owner.outstanding_noncontig -= not self.wire.is_contiguous()
         self.owner.outstanding_staging -= self.owner.staging_bytes(self.wire)
         self.owner.waits_returned += 1
 
@@ -56,6 +57,7 @@ class WatchingPlatform(Platform):
         self.destroyed = 0
         self.groups_used: list[Any] = []
         self.outstanding = self.max_outstanding = 0
+        self.outstanding_noncontig = self.max_outstanding_noncontig = 0
         self.outstanding_staging = self.max_outstanding_staging = 0
         self.waits_returned = 0
         self.staging: set[int] = set()
@@ -110,6 +112,8 @@ class WatchingPlatform(Platform):
             handle = None
         self.outstanding += 1
         self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        self.outstanding_noncontig += not tensor.is_contiguous()
+        self.max_outstanding_noncontig = max(self.max_outstanding_noncontig, self.outstanding_noncontig)
         self.outstanding_staging += self.staging_bytes(tensor)
         self.max_outstanding_staging = max(self.max_outstanding_staging, self.outstanding_staging)
         return _WatchedHandle(self, handle, tensor)
@@ -291,6 +295,14 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     res.update(max_outstanding=watched.max_outstanding, outstanding_at_end=watched.outstanding,
                max_staging=watched.max_outstanding_staging)
     out["cap"] = res
+
+    # Non-contiguous items sent alone each need a full-size contiguous temporary: at most
+    # one of them is in flight at a time, whatever max_in_flight allows.
+    watched = WatchingPlatform(platform)
+    specs = [Spec(i % 4, WORLD4, (64, 40), torch.float32, noncontig=i >= 6) for i in range(12)]
+    res = _run(watched, rank, specs, batch_bytes=1024, max_in_flight=4)
+    res.update(max_noncontig=watched.max_outstanding_noncontig, max_outstanding=watched.max_outstanding)
+    out["noncontig_cap"] = res
 
     out["untouched"] = _untouched(platform, rank)
     out["prepare"] = _prepare(platform, rank)

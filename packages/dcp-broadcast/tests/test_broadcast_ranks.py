@@ -76,6 +76,13 @@ def test_broadcast_in_flight_cap(results):
         assert r["max_staging"] <= 4096 * 3
 
 
+def test_broadcast_noncontiguous_temporaries_one_at_a_time(results):
+    for r in _scenario(results, "noncontig_cap"):
+        assert r["stats"]["broadcasts"] == 12
+        assert r["max_noncontig"] == 1
+        assert r["max_outstanding"] == 4  # the contiguous ones still overlap up to the cap
+
+
 def test_broadcast_receivers_untouched_until_wait(results):
     per_rank = _scenario(results, "untouched")
     for r in per_rank:

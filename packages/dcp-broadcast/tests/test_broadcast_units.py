@@ -120,3 +120,46 @@ def test_group_manager_validates():
             manager.get((0, 1))
     with pytest.raises(RuntimeError, match="closed"):
         manager.ensure([(0,)])
+
+
+class _UndestroyablePlatform:
+    """Two ranks seen from rank 0 of a job whose group destruction fails (a lost peer)."""
+
+    capabilities = get_platform("torch").capabilities
+
+    def rank(self):
+        return 0
+
+    def world_size(self):
+        return 3
+
+    def is_distributed(self):
+        return True
+
+    def all_gather_object(self, obj):
+        return [obj, obj, []]
+
+    def new_group(self, ranks):
+        return ("group", tuple(ranks))
+
+    def destroy_group(self, group):
+        raise RuntimeError(f"cannot destroy {group}: connection closed by peer")
+
+    def synchronize(self):
+        pass
+
+
+def test_group_manager_close_after_error_keeps_the_original_error(caplog):
+    manager = GroupManager(_UndestroyablePlatform())
+    with pytest.raises(ValueError, match="the original failure") as info:
+        with manager:
+            manager.ensure([(0, 1)])
+            assert manager.created == ((0, 1),)
+            raise ValueError("the original failure")
+    assert info.value.__context__ is None
+    assert "could not destroy groups" in caplog.text and "connection closed by peer" in caplog.text
+    # Without an error in flight, a failed destruction still raises.
+    manager = GroupManager(_UndestroyablePlatform())
+    with pytest.raises(RuntimeError, match=r"could not destroy groups: \(0, 1\)"):
+        with manager:
+            manager.ensure([(0, 1)])

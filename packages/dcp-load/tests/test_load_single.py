@@ -139,6 +139,9 @@ def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
     ({"checkpoint_id": "x", "broadcast_batch_bytes": -1}, "broadcast_batch_bytes must be an int >= 0"),
     ({"checkpoint_id": "x", "broadcast_replicated_tensors": "always"}, "must be True, False or 'auto'"),
     ({"checkpoint_id": "x", "broadcast_replicated_tensors": 1}, "must be True, False or 'auto'"),
+    ({"checkpoint_id": "x", "timeout": 0}, r"timeout must be a datetime.timedelta or a number of seconds > 0, got 0"),
+    ({"checkpoint_id": "x", "timeout": True}, "timeout must be"),
+    ({"checkpoint_id": "x", "timeout": "10m"}, "got '10m'"),
 ])
 def test_argument_errors_say_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):

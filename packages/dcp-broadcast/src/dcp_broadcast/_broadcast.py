@@ -26,8 +26,9 @@ class _Runner:
     """Issues the transfers this rank takes part in; waits oldest first beyond the cap."""
 
     def __init__(self, platform: Platform, items: Sequence[BroadcastItem], groups: GroupManager,
-                 max_in_flight: int, prepare: Callable[[int], Any] | None):
+                 max_in_flight: int, prepare: Callable[[int], Any] | None, watch: Any = None):
         self.platform, self.items, self.groups = platform, items, groups
+        self.watch = watch
         self.max_in_flight, self.prepare = max_in_flight, prepare
         self.rank = platform.rank()
         self.uint8 = platform.dtype_from_name("uint8")
@@ -46,6 +47,12 @@ class _Runner:
             while len(self.in_flight) >= self.max_in_flight:
                 self._retire_oldest()
             buf, finish = self._stage(transfer, member)
+            # A non-contiguous tensor sent alone travels through a full-size contiguous
+            # temporary (Platform.broadcast): send it with nothing else in flight and wait
+            # for it at once, so that at most one such temporary exists at a time.
+            alone = not transfer.batched and _needs_temporary(buf)
+            while alone and self.in_flight:
+                self._retire_oldest()
             group = self.groups.get(transfer.ranks)
             t0 = time.perf_counter()
             handle = self.platform.broadcast(buf, transfer.src, group)
@@ -57,6 +64,8 @@ class _Runner:
                     finish()
             else:
                 self.in_flight.append((handle, finish))
+                if alone:
+                    self._retire_oldest()
         while self.in_flight:
             self._retire_oldest()
 
@@ -64,7 +73,10 @@ class _Runner:
         handle, finish = self.in_flight.popleft()
         t0 = time.perf_counter()
         if handle is not None:
-            handle.wait()
+            if self.watch is not None:
+                self.watch.wait(handle)  # bounded: raises PeerFailure when a peer failed
+            else:
+                handle.wait()
         t1 = time.perf_counter()
         self.wait_s += t1 - t0
         if finish is not None:
@@ -82,17 +94,18 @@ class _Runner:
                 self.bytes_sent += moved
             else:
                 self.bytes_received += moved
+        if not member:
+            # World-group fallback: receive into scratch and drop it. A broadcast delivers
+            # the whole buffer, so the scratch is as large as the transfer (README,
+            # "Memory"); it is allocated after the in-flight wait like any staging.
+            return platform.empty((transfer.nbytes,), self.uint8), None
         if not transfer.batched:
             index = transfer.indices[0]
-            if not member:  # world-group fallback: receive into scratch and drop it
-                return platform.empty((transfer.nbytes,), self.uint8), None
             if is_src and self.prepare is not None:
                 self.prepare(index)
             return items[index].tensor, None
         t0 = time.perf_counter()
         staging = platform.empty((transfer.nbytes,), self.uint8)
-        if not member:  # world-group fallback: receive the batch into staging and drop it
-            return staging, None
         self.items_batched += len(transfer.indices)
         assert transfer.offsets is not None
         tensors = [items[i].tensor for i in transfer.indices]
@@ -114,6 +127,11 @@ class _Runner:
         return staging, scatter
 
 
+def _needs_temporary(tensor: Any) -> bool:
+    contiguous = getattr(tensor, "is_contiguous", None)
+    return contiguous is not None and not contiguous()
+
+
 def broadcast_items(
     platform: Platform,
     items: Sequence[BroadcastItem],
@@ -123,6 +141,7 @@ def broadcast_items(
     groups: GroupManager | Mapping[tuple[int, ...], Any] | None = None,
     check_schedule: bool = False,
     prepare: Callable[[int], Any] | None = None,
+    watch: Any = None,
 ) -> BroadcastStats:
     """Move every item from its source to the other ranks of its group; call on every rank.
 
@@ -161,11 +180,11 @@ def broadcast_items(
         plan = build_plan(items, 0)
     logger.debug("rank %d: planned %d broadcast(s) for %d item(s) in %.4f s", rank, len(plan),
                  len(items), time.perf_counter() - t_plan)
-    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups)
+    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
     owned = manager is not groups
     with manager if owned else nullcontext(manager):
         manager.ensure({t.ranks for t in plan})
-        runner = _Runner(platform, items, manager, max_in_flight, prepare)
+        runner = _Runner(platform, items, manager, max_in_flight, prepare, watch)
         t_run = time.perf_counter()
         runner.run(plan)
         logger.debug(

@@ -34,9 +34,16 @@ class GroupManager:
     When ``platform.capabilities.subgroups`` is False, ``get`` returns the world group for
     every set and ``ensure`` creates nothing (the caller broadcasts over the world and
     non-members discard what they receive).
+
+    ``watch``: a ``dcp_platform.Watch`` entered on every rank; the manager's all-gathers
+    are then bounded by it (``dcp_platform.PeerFailure`` once a peer failed or died).
+    ``new_group`` itself cannot be interrupted: it follows an all-gather that every rank
+    passed, so only a rank dying during the group's own connection setup leaves it waiting
+    for the group timeout.
     """
 
-    def __init__(self, platform: Platform, supplied: Mapping[tuple[int, ...], Any] | None = None):
+    def __init__(self, platform: Platform, supplied: Mapping[tuple[int, ...], Any] | None = None, *,
+                 watch: Any = None):
         if supplied is not None and not isinstance(supplied, Mapping):
             raise TypeError(
                 f"GroupManager supplied groups must be a mapping from rank tuple to group, "
@@ -46,6 +53,12 @@ class GroupManager:
         self._supplied = {_as_key(k, "GroupManager supplied"): g for k, g in (supplied or {}).items()}
         self._created: dict[tuple[int, ...], Any] = {}
         self._closed = False
+        self._watch = watch
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if self._watch is not None:
+            return self._watch.gather(obj)
+        return self._platform.all_gather_object(obj)
 
     @property
     def subgroups(self) -> bool:
@@ -61,8 +74,9 @@ class GroupManager:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        # After a failure, peers may be stuck in a collective: no barrier then.
-        self.close(wait_for_peers=exc_type is None)
+        # After a failure, peers may be stuck in a collective: no barrier then, and a group
+        # that cannot be destroyed is logged, so that the original error propagates.
+        self.close(wait_for_peers=exc_type is None, raise_errors=exc_type is None)
 
     def _world(self) -> tuple[int, ...]:
         return tuple(range(self._platform.world_size()))
@@ -92,7 +106,7 @@ class GroupManager:
         start = time.perf_counter()
         rank = self._platform.rank()
         missing_here = [k for k in keys if rank in k and not self._have(k)]
-        gathered = self._platform.all_gather_object(missing_here)
+        gathered = self._gather(missing_here)
         missing = sorted({tuple(k) for per_rank in gathered for k in per_rank})
         for key in missing:
             # new_group is a collective over the whole world: every rank, same order.
@@ -106,7 +120,7 @@ class GroupManager:
             # that destroyed a fresh group early (say, on an error) broke a peer's connect
             # ("Connection closed by peer"). One all-gather keeps every rank here until all
             # groups exist everywhere.
-            self._platform.all_gather_object(None)
+            self._gather(None)
         logger.debug("rank %d: groups ensured (%d needed, %d created) in %.4f s",
                      rank, len(keys), len(missing), time.perf_counter() - start)
 
@@ -124,8 +138,11 @@ class GroupManager:
             "rank first, or supply it"
         )
 
-    def close(self, *, wait_for_peers: bool = True) -> None:
+    def close(self, *, wait_for_peers: bool = True, raise_errors: bool = True) -> None:
         """Synchronize the device, then destroy the groups this manager created.
+
+        ``raise_errors=False`` (used when leaving on an exception): a group that cannot be
+        destroyed is logged as a warning instead of raising over the error being handled.
 
         ``wait_for_peers`` (a collective, used on normal exit; only when this manager
         created groups, which every rank knows alike): one all-gather first, so that no
@@ -140,7 +157,7 @@ class GroupManager:
             # In-flight device work may still use a group; destroy it only once finished.
             self._platform.synchronize()
             if created and wait_for_peers and self._platform.is_distributed():
-                self._platform.all_gather_object(None)
+                self._gather(None)
         finally:
             errors = []
             for key, group in created.items():
@@ -150,5 +167,8 @@ class GroupManager:
                     errors.append(f"{key}: {exc!r}")
             logger.debug("rank %d: destroyed %d group(s) in %.4f s", self._platform.rank(),
                          len(created), time.perf_counter() - start)
-            if errors:
+            if errors and not raise_errors:
+                logger.warning("rank %d: GroupManager.close: could not destroy groups: %s",
+                               self._platform.rank(), "; ".join(errors))
+            elif errors:
                 raise RuntimeError(f"GroupManager.close: could not destroy groups: {'; '.join(errors)}")

@@ -88,8 +88,11 @@ class _ReadAhead(threading.Thread):
 
 
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
-            batch_bytes: int, groups: Any = None) -> ExecuteStats:
-    """Read this rank's pieces and run the broadcasts of ``plan`` (``rank``: its index there)."""
+            batch_bytes: int, groups: Any = None, watch: Any = None) -> ExecuteStats:
+    """Read this rank's pieces and run the broadcasts of ``plan`` (``rank``: its index there).
+
+    ``watch``: a ``dcp_platform.Watch`` bounding every wait (see ``_coordinate``).
+    """
     reads = plan.reads_for(rank)
     # Which read positions feed which broadcast items (this rank's sources, in order).
     events: dict[int, threading.Event] = {}
@@ -132,9 +135,13 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
             from dcp_broadcast import broadcast_items
 
             def prepare(index: int) -> None:
-                by_item[index].wait()
+                if watch is not None:
+                    watch.wait_event(by_item[index])  # a peer's failure ends the wait
+                else:
+                    by_item[index].wait()
 
-            stats = broadcast_items(platform, items, batch_bytes=batch_bytes, groups=groups, prepare=prepare)
+            stats = broadcast_items(platform, items, batch_bytes=batch_bytes, groups=groups, prepare=prepare,
+                                    watch=watch)
             broadcasts, sent, received = stats.broadcasts, stats.bytes_sent, stats.bytes_received
     except BaseException:
         thread.stop.set()

@@ -8,7 +8,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from dcp_platform import PeerFailure
+
 from ._aliases import resolve_aliases
+from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._errors import LoadError
 from ._execute import execute
 from ._hosts import host_id
@@ -116,6 +119,7 @@ def load(
     allow_pickle: bool = False,
     tied_weights: Mapping[str, str] | None = None,
     allow_dtype_cast: bool = True,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
 
@@ -140,26 +144,65 @@ def load(
     checkpoint's values of tied keys differ, the load fails unless this names the winner.
     A tied key the checkpoint lacks is filled through one it holds.
 
+    ``timeout`` (a ``timedelta`` or seconds, default 10 minutes): how long ranks that
+    entered ``load`` wait for the others; on expiry they raise ``LoadError`` naming the
+    ranks that did not arrive (see README, "Failure model").
+
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
     """
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
+    wait_s = timeout_seconds(timeout)
     errors: list[str] = []
     try:
         leaves = flatten_state_dict(state_dict)
     except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
         leaves = []
         errors.append(f"{type(exc).__name__}: {exc}")
-    platform = resolve_platform(platform, leaves)
+    try:
+        platform = resolve_platform(platform, leaves)
+    except Exception as exc:
+        # Reported through the exchange over torch.distributed when it runs, so that the
+        # other ranks raise too instead of waiting for this one.
+        platform = _fallback_platform(exc)
+        errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
     check_launch(platform, no_dist, "load")
-    rank = platform.rank()
     # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
     # loads what it saved, alone. Decided from the directory listing, which all ranks share.
     from dcp_reader import is_rank_local
 
     rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
     collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
+    with Coordinator(platform, collective=collective, timeout=wait_s) as coord:
+        coord.arrive()
+        return _load(coord, platform, collective, leaves, errors, checkpoint_id=checkpoint_id,
+                     storage_reader=storage_reader, planner=planner,
+                     broadcast_replicated_tensors=broadcast_replicated_tensors,
+                     broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes,
+                     strict=strict, allow_pickle=allow_pickle, tied_weights=tied_weights,
+                     allow_dtype_cast=allow_dtype_cast)
+
+
+def _fallback_platform(exc: Exception) -> Any:
+    """The torch platform when torch.distributed runs (peers may wait on us), else re-raise."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise exc from None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise exc
+    from dcp_platform import get_platform
+
+    return get_platform("torch")
+
+
+def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], errors: list[str], *,
+          checkpoint_id: Any, storage_reader: Any, planner: Any, broadcast_replicated_tensors: Any,
+          broadcast_groups: Any, broadcast_batch_bytes: int, strict: bool, allow_pickle: bool,
+          tied_weights: Mapping[str, str] | None, allow_dtype_cast: bool) -> LoadReport:
+    """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``)."""
+    rank = platform.rank()
     broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(rank)
 
@@ -202,7 +245,8 @@ def load(
         # would walk different broadcast schedules and hang, so they fail together instead.
         settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
         host = host_id() if broadcast else None
-        gathered_all = exchange(platform, errors, "validate", collective=collective, payload=(wants, settings, host))
+        gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
+                                      payload=(wants, settings, host))
         differing = sorted({s for _, s, _ in gathered_all}, key=repr)
         if len(differing) > 1:
             per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
@@ -220,18 +264,21 @@ def load(
         phases.end("plan")
 
         errs, got = check_reads(reader, reads, values)
-        exchange(platform, errs, "validate", collective=collective)
+        coord.exchange(exchange, errs, "validate", collective=collective)
         phases.end("validate")
 
         by_name = {t.name: t for t in targets}
+        coord.phase = "execute"
         try:
             stats = execute(platform, reader, plan, me, by_name, batch_bytes=broadcast_batch_bytes,
-                            groups=broadcast_groups)
+                            groups=broadcast_groups, watch=coord.waiter)
+        except PeerFailure:
+            raise  # another rank's failure: the coordinator names it
         except Exception as exc:
             raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
         phases.end("execute")
 
-        job_read = exchange(platform, stats.errors, "execute", collective=collective, payload=stats.bytes_read)
+        job_read = coord.exchange(exchange, stats.errors, "execute", collective=collective, payload=stats.bytes_read)
         for leaf in values:
             leaf.replace(got[leaf.name])
         phases.end("finish")

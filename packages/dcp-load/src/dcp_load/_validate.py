@@ -202,13 +202,15 @@ def _check_extent(root: Any, chunk: Any) -> None:
 
 
 def exchange(platform: Any, errors: Sequence[str], phase: str, *, collective: bool,
-             payload: Any = None) -> list[Any]:
+             payload: Any = None, gather: Any = None) -> list[Any]:
     """All-gather (errors, payload); raise ``LoadError`` on every rank when any rank failed.
 
     Without collectives only this rank's errors count. Returns the gathered payloads.
+    ``gather``: the all-gather to use (a bounded one, ``Watch.gather``); default the
+    platform's.
     """
     if collective:
-        gathered = platform.all_gather_object((list(errors), payload))
+        gathered = (gather or platform.all_gather_object)((list(errors), payload))
     else:
         gathered = [(list(errors), payload)]
     failures: Mapping[int, list[str]] = {

@@ -3,13 +3,18 @@
 from ._base import Capabilities, Handle, Platform
 from ._select import ENV_VAR, PLATFORM_NAMES, get_platform, platform_name
 from ._version import __version__
+from ._watch import HEARTBEAT_S, STALE_S, PeerFailure, Watch
 
 __all__ = [
     "ENV_VAR",
+    "HEARTBEAT_S",
     "PLATFORM_NAMES",
+    "STALE_S",
     "Capabilities",
     "Handle",
+    "PeerFailure",
     "Platform",
+    "Watch",
     "__version__",
     "get_platform",
     "platform_name",

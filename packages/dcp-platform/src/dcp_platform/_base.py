@@ -13,7 +13,11 @@ Call order and threading contract
 * ``empty`` allocates; nothing else allocates more than a transport view of its inputs,
   except ``broadcast`` for dtypes outside ``capabilities.native_dtypes`` on backends that
   cannot alias raw bytes (documented per backend).
-* All methods are called from one thread per process.
+* All methods are called from one thread per process, except ``store`` operations, which
+  a watch thread (``dcp_platform.Watch``) also uses.
+* ``wait(handle, timeout)`` bounds one wait on a handle; ``all_gather_object(obj,
+  waiter=...)`` hands each of its internal collectives to ``waiter`` instead of blocking,
+  so that a caller can bound and abort it (see ``Watch``).
 """
 
 from __future__ import annotations
@@ -79,8 +83,31 @@ class Platform(abc.ABC):
         """True when a process group / communicator is initialised with world size > 1."""
 
     @abc.abstractmethod
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Collective: every rank contributes a small picklable object, all receive the list."""
+    def all_gather_object(self, obj: Any, *, waiter: Any = None) -> list[Any]:
+        """Collective: every rank contributes a small picklable object, all receive the list.
+
+        ``waiter(handle)``: called to wait on each collective the all-gather issues (it
+        must return once the handle completed, or raise). Control traffic: it travels over
+        host memory (a gloo group or the backend's host path), never device memory.
+        Backends whose all-gather is synchronous (MindSpore) never call ``waiter``.
+        """
+
+    def store(self) -> Any:
+        """The job's key-value store (torch: the default process group's), or ``None``.
+
+        Used by ``Watch`` for arrival barriers, abort keys and heartbeats. ``None`` (the
+        default, MindSpore) means waits cannot be bounded: they block as the backend does.
+        """
+        return None
+
+    def wait(self, handle: Handle, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``handle``: True once complete, False if not yet.
+
+        Raises the collective's own error (a dead peer's "connection closed"...). This
+        default cannot bound the wait: it blocks in ``handle.wait()`` and returns True.
+        """
+        handle.wait()
+        return True
 
     # -- groups ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -145,7 +145,8 @@ class MindSporePlatform(Platform):
     def world_size(self) -> int:
         return int(msdist.get_world_size()) if self._initialised() else 1
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, waiter: Any = None) -> list[Any]:
+        # Synchronous (one completed broadcast at a time): ``waiter`` is never needed.
         if not self.is_distributed():
             return [obj]
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

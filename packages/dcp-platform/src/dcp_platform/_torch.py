@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import pickle
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,10 +32,42 @@ class _CopyBackHandle:
     def __init__(self, work: Handle | None, tmp: torch.Tensor, dst: torch.Tensor):
         self._work, self._tmp, self._dst = work, tmp, dst
 
-    def wait(self) -> None:
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> None:
         if self._work is not None:
-            self._work.wait()
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout=timeout)
+        self._work = None
         self._dst.copy_(self._tmp.view(self._dst.dtype).view(self._dst.shape))
+
+
+def _timed_out(handle: Any, exc: BaseException) -> bool:
+    """Whether a ``wait(timeout=)`` that raised only ran out of time (the work lives on)."""
+    completed = getattr(handle, "is_completed", None)
+    return completed is not None and not completed() and "timed out" in str(exc).lower()
+
+
+# The gloo control group of each default process group, by id of that group. A cache by
+# design: dcp-load makes a platform object per load, and a new gloo group per load would
+# leak one group per load. An entry counts only while its group is still registered with
+# torch.distributed (destroy_process_group() unregisters every group), so a re-initialised
+# default group gets a fresh one.
+_CONTROL_GROUPS: dict[int, Any] = {}
+
+
+def _control_group_for(timeout: timedelta) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    key = id(c10d._get_default_group())
+    group = _CONTROL_GROUPS.get(key)
+    if group is None or group not in c10d._world.pg_map:
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        _CONTROL_GROUPS[key] = group
+    return group
 
 
 class TorchPlatform(Platform):
@@ -52,6 +86,7 @@ class TorchPlatform(Platform):
                  group_timeout: timedelta = DEFAULT_GROUP_TIMEOUT):
         self._group_timeout = group_timeout
         self._created: dict[tuple[int, ...], Any] = {}
+        self._control: Any = None
         initialised = dist.is_available() and dist.is_initialized()
         backend = dist.get_backend() if initialised else self._default_backend
         self._backend = str(backend)
@@ -99,12 +134,71 @@ class TorchPlatform(Platform):
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, waiter: Callable[[Any], Any] | None = None) -> list[Any]:
         if not (dist.is_available() and dist.is_initialized()):
             return [obj]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        group = self._control_group()
+        if waiter is None:
+            out: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(out, obj, group=group)
+            return out
+        # Two asynchronous all-gathers (lengths, then padded payloads), each waited on by
+        # ``waiter``, so that a caller can bound the wait and abort it.
+        world = dist.get_world_size()
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
+                                   dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        waiter(dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64),
+                               group=group, async_op=True))
+        longest = max(int(s[0]) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        waiter(dist.all_gather(outs, padded, group=group, async_op=True))
+        # Objects come from the ranks of this job, as with torch.distributed.all_gather_object.
+        return [pickle.loads(o[:int(s[0])].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
+
+    def _control_group(self) -> Any:
+        """A host-memory (gloo) group over the world for small control messages.
+
+        The default group when it is gloo; under NCCL/HCCL a gloo group created on first
+        use (a collective: every rank reaches it in its first all-gather) and shared by
+        every platform object of this default group (see ``_CONTROL_GROUPS``).
+        """
+        if "gloo" in self._backend:
+            return None
+        if self._control is None:
+            self._control = _control_group_for(self._group_timeout)
+        return self._control
+
+    def store(self) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.distributed_c10d._get_default_store()
+
+    def wait(self, handle: Any, timeout: float) -> bool:
+        completed = getattr(handle, "is_completed", None)
+        if completed is not None and completed():
+            handle.wait()
+            return True
+        if "gloo" not in self._backend or completed is None:
+            # NCCL's wait(timeout=) treats expiry as a fatal error: poll instead.
+            end = time.monotonic() + timeout
+            while completed is not None and not completed():
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.0005)
+            handle.wait()
+            return True
+        try:
+            # gloo honours the timeout and leaves the work running when it expires
+            # (measured: "Operation timed out!" after 0.30 s of a 0.3 s wait, later wait() ok).
+            handle.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            if _timed_out(handle, exc):
+                return False
+            raise
+        return True
 
     # -- groups ------------------------------------------------------------------------
     def world_group(self) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RanksFailed", "run_mindspore_workers", "run_ranks"]
+__all__ = ["RankDied", "RanksFailed", "add_preload", "run_mindspore_workers", "run_ranks"]
 
 _CTX: Any = None
 
@@ -51,6 +51,16 @@ class RanksFailed(RuntimeError):
         for rank, cause in self.failures.items():
             lines.append(f"--- rank {rank} ---\n{cause.rstrip()}")
         super().__init__("\n".join(lines))
+
+
+class RankDied:
+    """In ``run_ranks(..., may_die=...)`` results: that rank exited without reporting."""
+
+    def __init__(self, rank: int, exitcode: int | None):
+        self.rank, self.exitcode = rank, exitcode
+
+    def __repr__(self) -> str:
+        return f"RankDied(rank={self.rank}, exitcode={self.exitcode})"
 
 
 def _context() -> Any:
@@ -78,7 +88,7 @@ def add_preload(*modules: str) -> None:
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str,
            pg_timeout_s: float, env: dict[str, str], threads: int, args: tuple[Any, ...],
-           results: Any) -> None:
+           results: Any, report_first: bool = False) -> None:
     os.environ.update(env)
     try:
         import torch
@@ -91,19 +101,26 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, init_file: str, b
         )
         try:
             out = fn(rank, world_size, *args)
+            if report_first:  # a dead peer can block the teardown: report before it
+                results.put((rank, True, out))
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        if not report_first:
+            results.put((rank, True, out))
     except BaseException:  # report every failure, SystemExit included, to the parent
         results.put((rank, False, traceback.format_exc()))
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
               timeout: float = 120.0, pg_timeout: float | None = None,
-              env: dict[str, str] | None = None, threads: int = 1) -> list[Any]:
+              env: dict[str, str] | None = None, threads: int = 1,
+              may_die: tuple[int, ...] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank.
 
     ``threads``: torch intra-op threads per rank (1: ranks do not oversubscribe the cores).
+    ``may_die``: ranks that may exit without reporting (a test killing one on purpose):
+    their result is a ``RankDied``, and every rank reports its result before tearing its
+    process group down, since a dead peer can block the teardown.
 
     ``timeout`` bounds the whole run; ``pg_timeout`` (default: ``timeout``) is the process
     group timeout, so a collective that never completes fails inside the ranks too.
@@ -118,7 +135,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
             ctx.Process(
                 target=_child,
                 args=(fn, r, world_size, init_file, backend, pg_timeout or timeout,
-                      dict(env or {}), threads, args, results),
+                      dict(env or {}), threads, args, results, bool(may_die)),
                 daemon=True,
             )
             for r in range(world_size)
@@ -158,6 +175,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
                     p.kill()
                     p.join(timeout=5)
             results.close()
+    for r in may_die:
+        if r in outcome and not outcome[r][0] and str(outcome[r][1]).startswith("exited with code"):
+            outcome[r] = (True, RankDied(r, procs[r].exitcode))
     failures = {r: str(v) for r, (ok, v) in outcome.items() if not ok}
     for r in range(world_size):
         if r not in outcome:

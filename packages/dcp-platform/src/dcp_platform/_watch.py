@@ -1,0 +1,260 @@
+"""Bounded, abort-aware waits for one collective operation (a load, a broadcast run).
+
+Call order: every rank creates ``Watch(platform, name)`` with the same ``name`` (unique per
+operation, e.g. ``"dcp-load/7"``), enters it (which starts a heartbeat thread), calls
+``arrive(timeout)`` once, then uses ``wait`` / ``wait_event`` / ``gather`` for every wait
+of the operation, and leaves it (which joins the thread) on success and on failure alike.
+
+How ranks learn of a failure, through the platform's key-value store (``Platform.store``):
+
+* **Arrival**: each rank adds itself to ``<name>/arrived``; the last one sets
+  ``<name>/all``. A rank that does not arrive within ``timeout`` is named in the abort key
+  by the ranks that did.
+* **Abort key** ``<name>/abort``: the first rank that fails publishes its cause (rank ->
+  causes); every waiting rank sees it within ``HEARTBEAT_S`` and raises ``PeerFailure``.
+* **Heartbeats** ``<name>/hb/<rank>``: each rank's thread bumps its own key and watches
+  its ring successor's. A successor whose key has not changed for ``STALE_S`` is named
+  dead in the abort key (with at least one live rank, some live rank watches a dead one).
+
+Store traffic per rank: three operations per ``HEARTBEAT_S`` (2 s), so a 16k-rank job
+puts ~24k operations per second on the store, independent of how many collectives run;
+while arriving, two per second; after an arrival timeout one rank checks every rank's key
+once (the others wait for its verdict).
+Without a store (MindSpore) nothing is bounded: waits block as the backend does.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from ._base import Handle, Platform
+
+__all__ = ["HEARTBEAT_S", "STALE_S", "PeerFailure", "Watch"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between a rank's heartbeats and abort-key checks.
+HEARTBEAT_S = 2.0
+#: A heartbeat unchanged this long names its rank dead. Generous against a process that
+#: holds the GIL for seconds, yet with HEARTBEAT_S it names a dead rank in <= 12 s.
+STALE_S = 10.0
+#: Longest single blocking wait on a handle between checks of the abort flag.
+SLICE_S = 0.5
+
+
+class PeerFailure(RuntimeError):
+    """A rank of the operation failed, died or never arrived; ``failures``: rank -> causes."""
+
+    def __init__(self, failures: Mapping[int, Sequence[str]]):
+        self.failures = {int(r): tuple(c) for r, c in sorted(failures.items())}
+        lines = [f"rank {r}: {c}" for r, causes in self.failures.items() for c in causes]
+        super().__init__("; ".join(lines))
+
+    def __reduce__(self):
+        return (type(self), (self.failures,))
+
+
+class Watch:
+    """One operation's arrival barrier, abort key and heartbeat ring (see module docstring)."""
+
+    def __init__(self, platform: Platform, name: str, *, heartbeat_s: float = HEARTBEAT_S,
+                 stale_s: float = STALE_S):
+        self.platform, self.name = platform, name
+        self.rank, self.world = platform.rank(), platform.world_size()
+        self._store = platform.store()
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+        self._cause: dict[int, tuple[str, ...]] | None = None
+        self._aborted = threading.Event()
+        self._stop = threading.Event()
+        self._arrived = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beats = 0
+
+    @property
+    def bounded(self) -> bool:
+        """Whether waits are bounded (the platform has a store)."""
+        return self._store is not None
+
+    def _key(self, *parts: object) -> str:
+        return "/".join((self.name, *map(str, parts)))
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Watch:
+        if self._store is not None:
+            self._store.add(self._key("hb", self.rank), 1)
+            self._thread = threading.Thread(target=self._run, name=f"dcp-watch-{self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(success=exc_type is None)
+
+    def close(self, *, success: bool = True) -> None:
+        """Stop and join the heartbeat thread; drop this rank's heartbeat key.
+
+        ``success``: every rank has passed the operation's last collective, so rank 0 also
+        removes the arrival keys (after a failure they stay, for late ranks to find).
+        """
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        try:
+            self._store.delete_key(self._key("hb", self.rank))
+            if success and self.rank == 0:
+                self._store.delete_key(self._key("arrived"))
+                self._store.delete_key(self._key("all"))
+        except Exception as exc:  # noqa: BLE001 - cleanup only; the operation's outcome stands
+            logger.warning("rank %d: could not remove %s keys from the store: %r", self.rank, self.name, exc)
+
+    # -- failing together -----------------------------------------------------------------
+    def abort(self, failures: Mapping[int, Sequence[str]]) -> None:
+        """Publish this operation's failure for every rank (the first publication wins)."""
+        if self._store is None:
+            return
+        blob = pickle.dumps({int(r): tuple(c) for r, c in failures.items()})
+        try:
+            self._store.compare_set(self._key("abort"), "", blob)
+        except Exception as exc:  # noqa: BLE001 - the local error is raised anyway
+            logger.warning("rank %d: could not publish the failure of %s: %r", self.rank, self.name, exc)
+
+    def _read_abort(self) -> dict[int, tuple[str, ...]] | None:
+        key = self._key("abort")
+        if not self._store.check([key]):
+            return None
+        return pickle.loads(self._store.get(key))
+
+    def check(self) -> None:
+        """Raise ``PeerFailure`` when another rank published a failure."""
+        if self._aborted.is_set():
+            raise PeerFailure(self._cause or {})
+
+    def _set_cause(self, cause: dict[int, tuple[str, ...]]) -> None:
+        if self._cause is None:
+            self._cause = cause
+        self._aborted.set()
+
+    # -- the heartbeat thread -------------------------------------------------------------
+    def _run(self) -> None:
+        successor = (self.rank + 1) % self.world
+        last = -1
+        changed = time.monotonic()
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                # Counters through add(): reading a key with add(key, 0) never blocks,
+                # where get() on a key its owner just removed would wait for the store
+                # timeout. 0 means the successor closed its watch (removed its key).
+                self._store.add(self._key("hb", self.rank), 1)
+                cause = self._read_abort()
+                if cause is not None:
+                    self._set_cause(cause)
+                    continue
+                if not self._arrived.is_set() or successor == self.rank or last == 0:
+                    continue
+                value = self._store.add(self._key("hb", successor), 0)
+                now = time.monotonic()
+                if value != last:
+                    last, changed = value, now
+                elif now - changed >= self.stale_s:
+                    dead = {successor: (f"stopped responding: its heartbeat did not change for "
+                                        f"{now - changed:.0f} s (the process died, was killed or hangs)",)}
+                    self.abort(dead)
+                    self._set_cause(self._read_abort() or dead)
+            except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the watch
+                logger.debug("rank %d: watch %s: store error %r", self.rank, self.name, exc)
+
+    # -- bounded waits --------------------------------------------------------------------
+    def arrive(self, timeout: float) -> None:
+        """Store barrier: return once every rank arrived; ``PeerFailure`` after ``timeout`` s.
+
+        On expiry the ranks missing are named in the abort key; a rank arriving after an
+        abort raises that abort at once.
+        """
+        if self._store is None:
+            return
+        cause = self._read_abort()
+        if cause is not None:
+            self._set_cause(cause)
+            self.check()
+        if self._store.add(self._key("arrived"), 1) >= self.world:
+            self._store.set(self._key("all"), "1")
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self._store.wait([self._key("all")], timedelta(seconds=min(1.0, max(0.01, end - time.monotonic()))))
+                break
+            except RuntimeError:  # the slice expired
+                pass
+            cause = self._read_abort()
+            if cause is not None:
+                self._set_cause(cause)
+                self.check()
+            if time.monotonic() >= end:
+                self._name_missing(timeout)
+        self._arrived.set()
+
+    def _name_missing(self, timeout: float) -> None:
+        """After the arrival timeout: one rank lists who is missing (one store check per
+        rank, on this error path only); the others wait for its abort, then raise it."""
+        if self._store.add(self._key("expired"), 1) == 1:
+            missing = [r for r in range(self.world) if not self._store.check([self._key("hb", r)])]
+            self.abort({r: (f"did not reach {self.name.split('/')[0]} within {timeout:g} s of "
+                            f"the first rank (ranks arrived: {self.world - len(missing)} of "
+                            f"{self.world})",) for r in missing})
+        end = time.monotonic() + max(30.0, 10 * self.heartbeat_s)
+        cause = self._read_abort()
+        while cause is None and time.monotonic() < end:
+            time.sleep(0.1)
+            cause = self._read_abort()
+        self._set_cause(cause or {self.rank: (f"timed out after {timeout:g} s waiting for the other "
+                                              "ranks to arrive",)})
+        self.check()
+
+    def wait(self, handle: Handle | None) -> None:
+        """Wait for ``handle`` in slices, raising ``PeerFailure`` once a failure is published.
+
+        A collective error (a peer's connection closed) is published and raised; when the
+        heartbeats name the dead rank within ``STALE_S + 2 HEARTBEAT_S``, that rank is named.
+        """
+        if handle is None:
+            return
+        if self._store is None:
+            handle.wait()
+            return
+        while True:
+            self.check()
+            try:
+                if self.platform.wait(handle, SLICE_S):
+                    return
+            except Exception as exc:
+                raise self._lost(exc) from exc
+
+    def wait_event(self, event: threading.Event) -> None:
+        """Wait for a local event (a read-ahead thread), raising once a failure is published."""
+        while not event.wait(SLICE_S):
+            self.check()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``platform.all_gather_object`` with every internal wait bounded by this watch."""
+        if self._store is None:
+            return self.platform.all_gather_object(obj)
+        return self.platform.all_gather_object(obj, waiter=self.wait)
+
+    def _lost(self, exc: BaseException) -> PeerFailure:
+        """The error to raise after a collective failed here: the dead rank's, if it is found."""
+        mine = f"rank {self.rank} lost a collective: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        end = time.monotonic() + self.stale_s + 2 * self.heartbeat_s
+        while time.monotonic() < end and not self._aborted.is_set():
+            self._aborted.wait(0.1)
+        if self._cause is None:
+            self.abort({self.rank: (mine,)})
+            self._set_cause(self._read_abort() or {self.rank: (mine,)})
+        cause = {r: c for r, c in self._cause.items()}
+        return PeerFailure(cause)
