@@ -126,6 +126,25 @@ def _wheel_of(wheels: list[str], package: str) -> str:
     return wheel
 
 
+def _check_wheel_metadata(session: nox.Session, wheel: str) -> None:
+    """The fields a package index shows: Requires-Python, license file, classifiers, URLs."""
+    import email.parser
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        [name] = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(zf.read(name).decode())
+        licenses = [n for n in zf.namelist() if ".dist-info/licenses/" in n]
+    problems = [f for f in ("Requires-Python", "License-Expression", "Classifier", "Project-URL")
+                if not meta.get_all(f)]
+    if not licenses:
+        problems.append("no license file under .dist-info/licenses/")
+    if any("../" in line for line in meta.get_payload().splitlines() if "](" in line):
+        problems.append("a ../ link in the README")
+    if problems:
+        session.error(f"{pathlib.Path(wheel).name}: missing or wrong metadata: {problems}")
+
+
 @nox.session(name="packages-alone", python=PYTHON, reuse_venv=False)
 @nox.parametrize("package", PACKAGES)
 def packages_alone(session: nox.Session, package: str) -> None:
@@ -133,6 +152,7 @@ def packages_alone(session: nox.Session, package: str) -> None:
     wheels = _build_wheels(session, [package, *SIBLINGS[package]])
     siblings = [_wheel_of(wheels, p) for p in SIBLINGS[package]]
     me = _wheel_of(wheels, package)
+    _check_wheel_metadata(session, me)
     readme = str(ROOT / "packages" / package / "README.md")
     runner = str(ROOT / "tests-integration" / "docs_blocks.py")  # standard library only
     if package == "dcp-reader":
