@@ -153,7 +153,9 @@ def packages_alone(session: nox.Session, package: str) -> None:
     siblings = [_wheel_of(wheels, p) for p in SIBLINGS[package]]
     me = _wheel_of(wheels, package)
     _check_wheel_metadata(session, me)
-    readme = str(ROOT / "packages" / package / "README.md")
+    readmes = [str(ROOT / "packages" / package / "README.md")]
+    if package == "dcp-load":
+        readmes.append(str(ROOT / "README.md"))  # the resume flow: the user-facing example
     runner = str(ROOT / "tests-integration" / "docs_blocks.py")  # standard library only
     if package == "dcp-reader":
         # Its base install holds numpy only: the package must import without torch.
@@ -166,7 +168,7 @@ def packages_alone(session: nox.Session, package: str) -> None:
                 "assert not bad, f'not declared, yet installed: {bad}'")
     # Run from an empty folder so that nothing of the checkout shadows the installed wheels.
     with session.chdir(session.create_tmp()):
-        session.run("python", runner, readme)
+        session.run("python", runner, *readmes)
         if package == "dcp-broadcast":
             session.run("torchrun", "--standalone", "--nproc-per-node", "2",
                         str(ROOT / "packages" / package / "examples" / "push_parameters.py"))
