@@ -18,32 +18,62 @@ PACKAGES = ["dcp-platform", "dcp-reader", "dcp-broadcast", "dcp-load"]
 PYTHON = "3.11"
 
 # torch is pinned everywhere it is installed: an unpinned torch resolves to a multi-GB CUDA
-# build. Where the machine keeps the CPU wheel in a find-links folder, uv is pointed at it
-# (uv ignores pip's configuration).
+# build. Find-links folders come from the standard variables, UV_FIND_LINKS (uv's own,
+# comma-separated) and PIP_FIND_LINKS (pip's, space-separated; uv ignores pip's settings, so
+# they are passed on to it). Where one of them holds the CPU build of the pinned torch, that
+# build is asked for by its local version.
 TORCH_VERSION = "2.13.0"
-_LOCAL_WHEELS = pathlib.Path("/opt/wheels")
-_LOCAL_TORCH = sorted(_LOCAL_WHEELS.glob(f"torch-{TORCH_VERSION}+cpu-*.whl")) if _LOCAL_WHEELS.is_dir() else []
-TORCH = [f"--find-links={_LOCAL_WHEELS}", f"torch=={TORCH_VERSION}+cpu"] if _LOCAL_TORCH else [f"torch=={TORCH_VERSION}"]
+
+
+def _find_links() -> list[str]:
+    """Find-links locations from $UV_FIND_LINKS and $PIP_FIND_LINKS, in that order, once each."""
+    found: list[str] = []
+    for var, sep in (("UV_FIND_LINKS", ","), ("PIP_FIND_LINKS", None)):
+        for link in os.environ.get(var, "").split(sep):
+            if link.strip() and link.strip() not in found:
+                found.append(link.strip())
+    return found
+
+
+def _torch_requirements(links: list[str]) -> list[str]:
+    """uv arguments that install exactly torch==TORCH_VERSION, the +cpu build when a folder has it."""
+    folders = [pathlib.Path(link.removeprefix("file://")) for link in links if "://" not in link
+               or link.startswith("file://")]
+    cpu = any(sorted(f.glob(f"torch-{TORCH_VERSION}+cpu-*.whl")) for f in folders if f.is_dir())
+    return [f"torch=={TORCH_VERSION}+cpu" if cpu else f"torch=={TORCH_VERSION}"]
+
+
+FIND_LINKS = [f"--find-links={link}" for link in _find_links()]
+TORCH = [*FIND_LINKS, *_torch_requirements(_find_links())]
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]  # MindSpore 2.10 fails to import with numpy 2
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3"]
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore"]
+nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore", "packages-alone"]
 
 
-def _build_wheels(session: nox.Session) -> list[str]:
-    """Build every package's wheel into the session's temporary folder."""
-    out = pathlib.Path(session.create_tmp()) / "wheels"
+#: What each package needs of its siblings (its declared dependencies, transitively).
+SIBLINGS = {
+    "dcp-platform": [],
+    "dcp-reader": [],
+    "dcp-broadcast": ["dcp-platform"],
+    "dcp-load": ["dcp-platform", "dcp-reader", "dcp-broadcast"],
+}
+
+
+def _build_wheels(session: nox.Session, packages: list[str] = PACKAGES) -> list[str]:
+    """Build the packages' wheels (default: all) into the session's temporary folder."""
+    out = pathlib.Path(session.create_tmp()).resolve() / "wheels"
     for old in out.glob("*.whl"):
         old.unlink()
-    for pkg in PACKAGES:
+    for pkg in packages:
         session.run("uv", "build", "--quiet", "--wheel", "--out-dir", str(out),
                     str(ROOT / "packages" / pkg), external=True)
     wheels = sorted(glob.glob(str(out / "*.whl")))
-    if len(wheels) != len(PACKAGES):
-        session.error(f"expected {len(PACKAGES)} wheels in {out}, found {wheels}")
+    if len(wheels) != len(packages):
+        session.error(f"expected {len(packages)} wheels in {out}, found {wheels}")
     return wheels
 
 
@@ -88,6 +118,62 @@ def tests_cuda(session: nox.Session) -> None:
     session.install(*[f"--reinstall-package={p}" for p in PACKAGES], *_build_wheels(session),
                     f"torch=={TORCH_VERSION}", *TEST_DEPS)
     _pytest(session, "cuda")
+
+
+def _wheel_of(wheels: list[str], package: str) -> str:
+    prefix = package.replace("-", "_") + "-"
+    [wheel] = [w for w in wheels if pathlib.Path(w).name.startswith(prefix)]
+    return wheel
+
+
+def _check_wheel_metadata(session: nox.Session, wheel: str) -> None:
+    """The fields a package index shows: Requires-Python, license file, classifiers, URLs."""
+    import email.parser
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        [name] = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(zf.read(name).decode())
+        licenses = [n for n in zf.namelist() if ".dist-info/licenses/" in n]
+    problems = [f for f in ("Requires-Python", "License-Expression", "Classifier", "Project-URL")
+                if not meta.get_all(f)]
+    if not licenses:
+        problems.append("no license file under .dist-info/licenses/")
+    if any("../" in line for line in meta.get_payload().splitlines() if "](" in line):
+        problems.append("a ../ link in the README")
+    if problems:
+        session.error(f"{pathlib.Path(wheel).name}: missing or wrong metadata: {problems}")
+
+
+@nox.session(name="packages-alone", python=PYTHON, reuse_venv=False)
+@nox.parametrize("package", PACKAGES)
+def packages_alone(session: nox.Session, package: str) -> None:
+    """One package with its torch extra in a fresh environment; its README's examples run."""
+    wheels = _build_wheels(session, [package, *SIBLINGS[package]])
+    siblings = [_wheel_of(wheels, p) for p in SIBLINGS[package]]
+    me = _wheel_of(wheels, package)
+    _check_wheel_metadata(session, me)
+    readmes = [str(ROOT / "packages" / package / "README.md")]
+    if package == "dcp-load":
+        readmes.append(str(ROOT / "README.md"))  # the resume flow: the user-facing example
+    runner = str(ROOT / "tests-integration" / "docs_blocks.py")  # standard library only
+    if package == "dcp-reader":
+        # Its base install holds numpy only: the package must import without torch.
+        session.install(me)
+        session.run("python", "-c", "import sys, dcp_reader; assert 'torch' not in sys.modules, "
+                    "'dcp_reader imported torch'")
+    session.install(f"{package}[torch] @ {pathlib.Path(me).as_uri()}", *siblings, *TORCH)
+    others = [p.replace("-", "_") for p in PACKAGES if p != package and p not in SIBLINGS[package]]
+    session.run("python", "-c", f"import importlib.util as u; bad = [m for m in {others!r} if u.find_spec(m)]; "
+                "assert not bad, f'not declared, yet installed: {bad}'")
+    # Run from an empty folder so that nothing of the checkout shadows the installed wheels.
+    with session.chdir(session.create_tmp()):
+        session.run("python", runner, *readmes)
+        if package == "dcp-broadcast":
+            session.run("torchrun", "--standalone", "--nproc-per-node", "2",
+                        str(ROOT / "packages" / package / "examples" / "push_parameters.py"))
+        if package == "dcp-load":
+            session.run("dcp", "--help", silent=True)
 
 
 @nox.session(python=PYTHON)

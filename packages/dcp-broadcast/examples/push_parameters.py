@@ -21,7 +21,9 @@ def push_parameters(model: torch.nn.Module, src: int = 0):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    started_here = not dist.is_initialized()  # under torchrun; a running job keeps its own group
+    if started_here:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)  # every rank starts with different weights
     model = torch.nn.Sequential(
@@ -35,7 +37,8 @@ def main() -> None:
     if rank == 0:
         print(f"{stats.items} tensors sent in {stats.broadcasts} broadcast(s), "
               f"{stats.bytes_sent} bytes, {stats.seconds * 1e3:.1f} ms; all ranks hold rank 0's weights")
-    dist.destroy_process_group()
+    if started_here:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -234,3 +234,39 @@ def test_save_refuses_chunks_that_do_not_cover_the_tensor(tmp_path):
     with pytest.raises(LoadError, match="do not tile"):
         dcp_load.save({"w": Chunk(torch.zeros(2, 4), (4, 4), (0, 0))}, checkpoint_id=tmp_path / "c")
     assert not (tmp_path / "c" / "dcp-metadata.json").exists()
+
+
+def test_cli_inspect_shows_pickled_values_only_with_allow_pickle(tmp_path, capsys):
+    import datetime
+
+    path = str(tmp_path / "ckpt")
+    dcp_load.save({"w": torch.ones(2), "when": datetime.date(2026, 12, 1), "n": 3},
+                  checkpoint_id=path, allow_pickle=True)
+    assert cli(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "(pickled in values.pkl; --allow-pickle shows it" in out and "2026" not in out
+    assert "n     value 3" in out
+    assert cli(["inspect", path, "--allow-pickle"]) == 0
+    out = capsys.readouterr().out
+    assert "when  value datetime.date(2026, 12, 1)" in out and "pickled in" not in out
+
+
+def test_cli_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    # ~4000 lines of output: far more than a pipe buffer holds, so the writer meets the closed pipe.
+    save_file({f"layer.{i}.weight": np.zeros(2, np.float32) for i in range(2000)},
+              str(tmp_path / "model.safetensors"))
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_load._cli", "inspect", "--chunks", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does after its line
+    stderr = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 141
+    assert b"format hf, 2000 tensors" in first
+    assert stderr == "", stderr

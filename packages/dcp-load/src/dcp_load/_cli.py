@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,10 +42,25 @@ def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int 
                 for c in t.chunks:
                     print(f"{'':<{width}}    offsets={c.offsets} sizes={c.sizes} {c.file}:{c.key}", file=out)
         for name in sorted(meta.values):
-            v = meta.values[name]
-            shown = repr(v.value) if v.file is None else f"(pickled in {v.file})"
-            print(f"{name:<{width}}  value {shown[:60]}", file=out)
+            print(f"{name:<{width}}  value {_shown_value(reader, name, allow_pickle)}", file=out)
     return 0
+
+
+def _shown_value(reader, name: str, allow_pickle: bool, limit: int = 60) -> str:
+    """A value's repr (read from its file when it has one), cut to ``limit`` characters."""
+    from dcp_reader import CheckpointError
+
+    v = reader.metadata.values[name]
+    if v.file is None:
+        shown = repr(v.value)
+    elif not allow_pickle:
+        return f"(pickled in {v.file}; --allow-pickle shows it, for checkpoints you trust)"
+    else:
+        try:
+            shown = repr(reader.read_value(name))
+        except (CheckpointError, OSError, ValueError) as exc:
+            return f"(unreadable from {v.file}: {type(exc).__name__}: {exc})"
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,14 +78,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
     args = parser.parse_args(argv)
-    if args.command == "inspect":
-        return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
-    from .demo import main as demo_main
+    try:
+        if args.command == "inspect":
+            code = inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
+        else:
+            from .demo import main as demo_main
 
-    extra = ["--keep", args.keep] if args.keep else []
-    if args.batch_bytes is not None:
-        extra += ["--batch-bytes", str(args.batch_bytes)]
-    return demo_main(extra)
+            extra = ["--keep", args.keep] if args.keep else []
+            if args.batch_bytes is not None:
+                extra += ["--batch-bytes", str(args.batch_bytes)]
+            code = demo_main(extra)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+    except BrokenPipeError:
+        # The reader went away (`dcp inspect ... | head`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null so that the interpreter's final flush cannot
+        # raise again; 141 is what a shell reports for a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +44,10 @@ class ExecuteStats:
 
 class _ReadAhead(threading.Thread):
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
-                 events: Mapping[int, threading.Event], staged: Mapping[int, Any]):
+                 events: Mapping[int, threading.Event], staged: Mapping[int, Any],
+                 on_read: Callable[[int], None] | None = None):
         super().__init__(name="dcp-load-read-ahead", daemon=True)
+        self.on_read = on_read  # told each piece's bytes once it is in place (progress)
         self.reader, self.reads, self.targets, self.events = reader, reads, targets, events
         self.staged = staged  # read position -> staging tensor to read into instead of the target
         self.stop = threading.Event()
@@ -69,6 +71,8 @@ class _ReadAhead(threading.Thread):
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
                     target.adapter.copy(dest, data)
+                    if self.on_read is not None:
+                        self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
                     self.errors.append(f"reading {item.name!r} box offsets={item.offsets} "
                                        f"sizes={item.sizes} from {chunk.file!r} failed: "
@@ -88,10 +92,12 @@ class _ReadAhead(threading.Thread):
 
 
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
-            batch_bytes: int, groups: Any = None, watch: Any = None) -> ExecuteStats:
+            batch_bytes: int, groups: Any = None, watch: Any = None,
+            on_read: Callable[[int], None] | None = None) -> ExecuteStats:
     """Read this rank's pieces and run the broadcasts of ``plan`` (``rank``: its index there).
 
     ``watch``: a ``dcp_platform.Watch`` bounding every wait (see ``_coordinate``).
+    ``on_read(nbytes)`` is called on the read-ahead thread after each piece is in place.
     """
     reads = plan.reads_for(rank)
     # Which read positions feed which broadcast items (this rank's sources, in order).
@@ -126,7 +132,7 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     assert all(r.reader == rank for r in reads[:position])
 
     before = reader.bytes_read
-    thread = _ReadAhead(reader, reads, targets, events, staged_at)
+    thread = _ReadAhead(reader, reads, targets, events, staged_at, on_read)
     thread.start()
     broadcasts = sent = received = 0
     t0 = time.perf_counter()

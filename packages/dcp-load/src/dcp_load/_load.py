@@ -16,6 +16,7 @@ from ._errors import LoadError
 from ._execute import execute
 from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
+from ._progress import Progress
 from ._report import LoadReport
 from ._state import Chunk, flatten_state_dict, is_tensor
 from ._targets import Target, in_mesh, target_for
@@ -94,12 +95,14 @@ class _Phases:
 
     def __init__(self, rank: int):
         self.rank, self.seconds = rank, {}
+        self.progress = Progress(rank)  # INFO lines and a terminal bar, on rank 0 only
         self.start = self._mark = time.perf_counter()
 
-    def end(self, phase: str) -> None:
+    def end(self, phase: str, nbytes: int = 0) -> None:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
         logger.debug("rank %d: load phase %s took %.4f s", self.rank, phase, now - self._mark)
+        self.progress.phase(phase, now - self._mark, nbytes)
         self._mark = now
 
 
@@ -262,6 +265,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         me = rank if collective else 0
         reads = plan.reads_for(me)
         phases.end("plan")
+        phases.progress.plan(plan, me, len(targets))
 
         errs, got = check_reads(reader, reads, values)
         coord.exchange(exchange, errs, "validate", collective=collective)
@@ -271,18 +275,19 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         coord.phase = "execute"
         try:
             stats = execute(platform, reader, plan, me, by_name, batch_bytes=broadcast_batch_bytes,
-                            groups=broadcast_groups, watch=coord.waiter)
+                            groups=broadcast_groups, watch=coord.waiter, on_read=phases.progress.advance)
         except PeerFailure:
             raise  # another rank's failure: the coordinator names it
         except Exception as exc:
             raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
-        phases.end("execute")
+        phases.end("execute", stats.bytes_read + stats.bytes_received)
 
         job_read = coord.exchange(exchange, stats.errors, "execute", collective=collective, payload=stats.bytes_read)
         for leaf in values:
             leaf.replace(got[leaf.name])
         phases.end("finish")
     finally:
+        phases.progress.close()
         if owned and reader is not None:
             reader.close()
     seconds = dict(phases.seconds)
@@ -296,6 +301,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing), cast=tuple(cast),
         skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
+    phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
                  "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],
                  report.bytes_read, report.bytes_needed, report.bytes_received, report.broadcasts)

@@ -1,6 +1,6 @@
 """MindSpore backend: ``mindspore.communication`` / ``mindspore.mint.distributed``.
 
-What MindSpore 2.10 does on the CPU (measured here, see FACTS.md) shapes this module:
+What MindSpore 2.10 does on the CPU (measured; dcp-platform README, "Measured facts") shapes this module:
 
 * Broadcast runs on the world group only ("Broadcast only support mccl_world_group on
   CPU"), and only float32/int32 arrive intact: bf16, int8, uint8 and bool fail or are

@@ -16,8 +16,8 @@ from ._base import Capabilities, Handle, Platform
 
 logger = logging.getLogger(__name__)
 
-# Measured (FACTS.md and the conformance tests): gloo rejects float8 and int16 ("Invalid
-# scalar type"); these go as they are. NCCL has no int16 type either.
+# Measured (dcp-platform README, "Measured facts", and the rank tests): gloo rejects float8
+# and int16 ("Invalid scalar type"); these go as they are. NCCL has no int16 type either.
 _GLOO_NATIVE = frozenset(
     {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool"}
 )

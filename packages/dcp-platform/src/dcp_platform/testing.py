@@ -189,8 +189,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
 # -- MindSpore ------------------------------------------------------------------------------
 
-# A MindSpore launch costs 20-30 s here (FACTS.md: mostly importing mindspore in 3 processes
-# on 2 cores), so failing ranks are not waited on for long: once one rank has failed, the
+# A MindSpore launch costs 20-30 s here (dcp-platform README, "Measured facts": mostly importing
+# mindspore in 3 processes on 2 cores), so failing ranks are not waited on for long: once one rank has failed, the
 # others get this long to report before they are killed (they are usually blocked in a
 # collective that will never complete).
 _MS_FAIL_GRACE_S = 10.0
