@@ -50,8 +50,12 @@ class PlanBuilder:
     """Accumulates the plan tensor by tensor; ``finish`` orders it (see module docstring)."""
 
     def __init__(self, world: int, *, broadcast: bool, hosts: Sequence[str] | None,
-                 same_host_reads: bool, split_bytes: int, custom: bool):
+                 same_host_reads: bool, split_bytes: int, custom: bool, only: int | None = None):
         self.world, self.broadcast, self.auto = world, broadcast, same_host_reads
+        # ``only``: plan for this rank alone (``_local_plan``): intervals it does not want are
+        # skipped, items it neither reads, sends nor receives are dropped, and ``unique``
+        # counts only the intervals it leads (it is their lowest wanting rank).
+        self.only, self._lead = only, True
         self.split_bytes, self.custom = split_bytes, custom
         self.host = list(hosts) if hosts is not None else list(range(world))
         self.loads = [0] * world
@@ -99,6 +103,10 @@ class PlanBuilder:
             rb = row_bytes(chunk, meta.itemsize)
             for lo, hi, members in intervals(chunk, by_chunk[index]):
                 wanters = tuple(sorted({r for m in members for r in m[3]}))
+                if self.only is not None:
+                    if self.only not in wanters:
+                        continue
+                    self._lead = wanters[0] == self.only
                 if not (self.broadcast and len(wanters) > 1 and all(m[4] for m in members)):
                     self._slab(name, index, meta, members, lo, hi, None)
                     continue
@@ -141,7 +149,8 @@ class PlanBuilder:
         numel = math.prod(sizes)
         stored = numel * meta.itemsize
         nbytes = numel * (dtype_itemsize(dtype) if dtype else meta.itemsize)
-        self.unique += stored
+        if self._lead:
+            self.unique += stored
         item = ReadItem(name, index, offsets, sizes, nbytes, ranks, None, dtype)
         if anchor is None or not (self.broadcast and ok and len(ranks) > 1):
             return self._local(item, ranks, stored)
@@ -156,7 +165,8 @@ class PlanBuilder:
         if not far:
             return self._local(item, ranks, stored)
         group = tuple(sorted({src, *far}))
-        self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
+        if self.only is None or self.only in group:
+            self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
         self.loads[src] += stored
         rest = tuple(r for r in near if r != src)
         if rest:
@@ -164,6 +174,8 @@ class PlanBuilder:
         return None
 
     def _local(self, item: ReadItem, ranks: tuple[int, ...], stored: int) -> None:
+        if self.only is not None and self.only not in ranks:
+            return
         self.local.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,
                                    ranks, None, item.dtype))
         for r in ranks:
@@ -174,6 +186,7 @@ class PlanBuilder:
         """Choose the owners of every holder set's slabs (in holder-set order)."""
         for key in sorted(self.groups):
             units, slabs = self.groups[key]
+            self._lead = self.only is None or key[0] == self.only
             self._settle(units, slabs)
         self.groups.clear()
 
