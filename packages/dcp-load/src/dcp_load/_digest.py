@@ -89,9 +89,13 @@ def _g(rank: int) -> int:
     return int(_mix([rank])[0])
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
+def _layout_hash(layout: tuple[Any, ...]) -> int:
+    return digest(layout)  # a mesh's rank list is long: hashed once per layout
+
+
 def _entry_hash(name: str, shape: tuple[int, ...], dtype: str, flags: int, layout: tuple[Any, ...]) -> int:
-    return digest(name, shape, dtype, flags, layout)
+    return digest(name, shape, dtype, flags, _layout_hash(layout))
 
 
 def holder_lane(entries: Sequence[Derived], rank: int) -> int:
@@ -245,7 +249,7 @@ def _twice(keys: Sequence[str]) -> int:
 
 
 def _summary(e: Derived) -> tuple[Any, ...]:
-    return (e.shape, e.dtype, e.flags, digest(e.layout))
+    return (e.shape, e.dtype, e.flags, _layout_hash(e.layout))
 
 
 def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Sequence[Derived]

@@ -65,7 +65,7 @@ class PlanBuilder:
         self.candidates: list[ReadItem] = []  # replica groups left to a custom planner
         # holder set -> (owner units, slabs): slabs are settled per holder set at the end
         self.groups: dict[tuple[int, ...], tuple[list[list[int]], list[Any]]] = {}
-        self._by_host: dict[tuple[tuple[int, ...], Any], list[int]] = {}
+        self._by_host: dict[tuple[int, ...], dict[Any, list[int]]] = {}
 
     # -- units and sources -------------------------------------------------------------
     def units(self, wanters: Sequence[int]) -> list[list[int]]:
@@ -79,15 +79,20 @@ class PlanBuilder:
 
     def source(self, ranks: tuple[int, ...], anchor: int) -> int:
         """The holder of ``ranks`` nearest to ``anchor``, preferring ``anchor``'s host."""
-        key = (ranks, self.host[anchor])
-        near = self._by_host.get(key)
-        if near is None:
-            near = [r for r in ranks if self.host[r] == self.host[anchor]] or list(ranks)
-            self._by_host[key] = near
+        near = self.on_host(ranks).get(self.host[anchor]) or ranks
         i = bisect.bisect_left(near, anchor)
         if i == len(near) or (i > 0 and anchor - near[i - 1] <= near[i] - anchor):
             return near[i - 1]
         return near[i]
+
+    def on_host(self, ranks: tuple[int, ...]) -> dict[Any, list[int]]:
+        """``ranks`` by host (each list sorted), computed once per rank set."""
+        out = self._by_host.get(ranks)
+        if out is None:
+            out = self._by_host[ranks] = {}
+            for r in ranks:
+                out.setdefault(self.host[r], []).append(r)
+        return out
 
     # -- one tensor --------------------------------------------------------------------
     def add_tensor(self, name: str, meta: Any, held: Mapping[tuple[Any, ...], list[Any]]) -> None:
@@ -102,7 +107,7 @@ class PlanBuilder:
             chunk = meta.chunks[index]
             rb = row_bytes(chunk, meta.itemsize)
             for lo, hi, members in intervals(chunk, by_chunk[index]):
-                wanters = tuple(sorted({r for m in members for r in m[3]}))
+                wanters = members[0][3] if len(members) == 1 else tuple(sorted({r for m in members for r in m[3]}))
                 if self.only is not None:
                     if self.only not in wanters:
                         continue
@@ -138,11 +143,13 @@ class PlanBuilder:
         subs: dict[tuple[Any, ...], list[Any]] = {}
         for piece in members:
             offsets, sizes = sub_box(piece, a, b)
-            entry = subs.setdefault((offsets, sizes, piece[2]), [set(), True])
-            entry[0].update(piece[3])
+            entry = subs.setdefault((offsets, sizes, piece[2]), [[], True])
+            entry[0].append(piece[3])
             entry[1] = entry[1] and piece[4]
-        for (offsets, sizes, dtype), (ranks, ok) in subs.items():
-            self._emit(name, index, meta, offsets, sizes, dtype, tuple(sorted(ranks)), ok, anchor)
+        for (offsets, sizes, dtype), (rank_sets, ok) in subs.items():
+            # Piece ranks are sorted tuples: one piece needs no merge (the common case).
+            ranks = rank_sets[0] if len(rank_sets) == 1 else tuple(sorted(set().union(*rank_sets)))
+            self._emit(name, index, meta, offsets, sizes, dtype, ranks, ok, anchor)
 
     def _emit(self, name: str, index: int, meta: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
               dtype: str, ranks: tuple[int, ...], ok: bool, anchor: int | None) -> None:
@@ -151,6 +158,8 @@ class PlanBuilder:
         nbytes = numel * (dtype_itemsize(dtype) if dtype else meta.itemsize)
         if self._lead:
             self.unique += stored
+        if self.only is not None and self.only not in ranks:
+            return None  # nothing this rank reads, sends or receives
         item = ReadItem(name, index, offsets, sizes, nbytes, ranks, None, dtype)
         if anchor is None or not (self.broadcast and ok and len(ranks) > 1):
             return self._local(item, ranks, stored)
@@ -160,11 +169,11 @@ class PlanBuilder:
             self.candidates.append(item)
             return None
         src = self.source(ranks, anchor)
-        near = [r for r in ranks if self.auto and self.host[r] == self.host[src]]
-        far = [r for r in ranks if not (self.auto and self.host[r] == self.host[src])]
-        if not far:
+        near = self.on_host(ranks)[self.host[src]] if self.auto else [src]
+        if len(near) == len(ranks):
             return self._local(item, ranks, stored)
-        group = tuple(sorted({src, *far}))
+        # src and every holder on another host (``ranks`` is sorted: so is the group)
+        group = ranks if len(near) == 1 else tuple(r for r in ranks if r == src or self.host[r] != self.host[src])
         if self.only is None or self.only in group:
             self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
         self.loads[src] += stored
