@@ -58,12 +58,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="allow reading pickled metadata (only for checkpoints you trust)")
     p.add_argument("--rank", type=int, help="the rank's metadata to show where each rank saved its own "
                    "(a hyper-parallel save without collectives: {rank}.metadata)")
+    from ._plan_cli import add_parser as add_plan
+
+    add_plan(sub)
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
+    if args.command == "plan":
+        from ._plan_cli import run as plan_run
+
+        return plan_run(args)
     from .demo import main as demo_main
 
     extra = ["--keep", args.keep] if args.keep else []
