@@ -4,7 +4,8 @@
 TP8 x PP8 x DP for 1,024 / 4,096 / 16,384 / 65,536 ranks, 8 ranks per host, "auto" mode.
 For each world size:
 
-* planning s: the slowest rank role's own planning (derive its entries from the meshes
+* planning s: the slowest rank role's own planning (wall and CPU time; a warm-up role
+  first) (derive its entries from the meshes
   with a cold cache, the digest lanes, ``plan_for_rank``), over all 64 (pp, tp) roles;
 * exchanged: what a rank sends to agree on the plan (the digest's all-reduce lanes);
   group sets: what it sends when dcp_broadcast creates its broadcast groups (the same in
@@ -59,7 +60,8 @@ def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
         rows.append(r)
         g = f"{r['greedy_balance']:.3f}" if r["greedy_balance"] else "-"
         print(f"{world:>6} ranks: planning max {r['planning_seconds_max'] * 1e3:7.1f} ms (median "
-              f"{r['planning_seconds_median'] * 1e3:6.1f}), exchanged {r['exchanged_bytes_per_rank_max']} B, "
+              f"{r['planning_seconds_median'] * 1e3:6.1f}; CPU max {r['planning_cpu_seconds_max'] * 1e3:6.1f}, median "
+              f"{r['planning_cpu_seconds_median'] * 1e3:6.1f}), exchanged {r['exchanged_bytes_per_rank_max']} B, "
               f"group sets {r['group_set_bytes_per_rank_max']} B, read max/mean {r['balance']:.3f} "
               f"(greedy {g}), broadcasts/rank {r['broadcasts_per_rank_max']}, amplification "
               f"{r['amplification']:.4f}", flush=True)
@@ -76,6 +78,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     a.plot(worlds, [r["planning_seconds_max"] * 1e3 for r in rows], "o-", label="slowest rank (derived)")
     a.plot(worlds, [r["planning_seconds_median"] * 1e3 for r in rows], "s--", label="median role")
+    a.plot(worlds, [r["planning_cpu_seconds_max"] * 1e3 for r in rows], "^-", label="slowest rank, CPU time")
     a.axhline(50, color="gray", linestyle=":", label="goal 50 ms")
     a.set_xscale("log", base=2)
     a.set_xlabel("ranks (TP8 x PP8 x DP)")

@@ -147,3 +147,34 @@ def test_rank_local_planning_scales_with_holder_sets() -> None:
     assert all(5 in i.ranks for i in plan.broadcasts + plan.local)
     dp_group = set(range(5, world, tp))  # the ranks holding rank 5's rows
     assert plan.broadcasts and all(set(i.ranks) <= dp_group for i in plan.broadcasts)
+
+
+def _lanes_sum(per_rank) -> int:
+    from dcp_load._digest import PRIME, holder_lane
+
+    return sum(holder_lane(entries, r) for r, entries in enumerate(per_rank)) % PRIME
+
+
+def test_holder_check_is_zero_exactly_when_layouts_agree() -> None:
+    mesh = (0, 1, 2, 3)
+    boxes = mesh_boxes((8, 4), (2, 2), mesh, (("R",), ("S", 0)))
+
+    def entry(name="w", placements=(("R",), ("S", 0)), holders=mesh):
+        return Derived(name, (8, 4), "bfloat16", BOTH, ("mesh", (2, 2), holders, placements), holders, boxes)
+
+    plain = Derived("b", (4,), "bfloat16", BOTH, ("plain",), mesh, (((0,), (4,), mesh),))
+    assert _lanes_sum([[entry(), plain] for _ in mesh]) == 0
+    assert _lanes_sum([[entry(), plain], [entry(), plain], [entry(), plain], [entry()]]) != 0  # rank 3 lacks b
+    assert _lanes_sum([[entry(), plain]] * 3 + [[entry(placements=(("R",), ("R",))), plain]]) != 0
+    assert _lanes_sum([[entry(), plain]] * 3 + [[entry(), plain, entry("x", holders=(3,))]]) == 0  # its own mesh
+    two_stages = [[entry(holders=(0, 1))], [entry(holders=(0, 1))], [entry(holders=(2, 3))], [entry(holders=(2, 3))]]
+    assert _lanes_sum(two_stages) == 0  # each mesh is consistent: the store count catches a shared name
+
+
+def test_host_check() -> None:
+    from dcp_load._digest import PRIME, host_lane
+
+    assert sum(host_lane(f"h{r // 2}", r, 6, 2) for r in range(6)) % PRIME == 0
+    assert sum(host_lane(f"h{r // 2}", r, 5, 2) for r in range(5)) % PRIME == 0  # a short last node
+    assert sum(host_lane("same", r, 6, 2) for r in range(6)) % PRIME == 0
+    assert sum(host_lane(f"h{r // 3}", r, 6, 2) for r in range(6)) % PRIME != 0  # 3 per host, not 2

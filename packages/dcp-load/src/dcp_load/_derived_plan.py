@@ -55,13 +55,18 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
-    entries = None
+    entries, meta_hash = None, 0
     if not failed and not custom_planner:
-        shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
-        entries = _entries(wants, values, rank, world, shapes)
+        try:
+            shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
+            entries = _entries(wants, values, rank, world, shapes)
+            meta_hash = metadata_digest(tensors)
+        except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
+            logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
+            entries = None
     local_world = local_world_size() if broadcast else 0
     host = host_id() if broadcast else ""
-    equal = [(metadata_digest(tensors) if entries is not None else 0, "the checkpoint metadata differs from "
+    equal = [(meta_hash, "the checkpoint metadata differs from "
               "other ranks' (open the same checkpoint on every rank)"),
              (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
               f"broadcast_batch_bytes={settings[1]}, planner={'custom' if custom_planner else 'default'}: "
