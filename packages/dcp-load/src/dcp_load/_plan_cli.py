@@ -105,7 +105,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         return 0
     lines = [
         f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {_human(result['unique_bytes'])}",
-        f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms",
+        f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms "
+        f"wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
         f"broadcast group sets: {_human(result['group_set_bytes_per_rank_max'])}",
         f"read per rank: max {_human(result['read_bytes_per_rank_max'])}, mean "
