@@ -54,6 +54,7 @@ class GroupManager:
         self._created: dict[tuple[int, ...], Any] = {}
         self._closed = False
         self._watch = watch
+        self._own_done = False  # an ensure(own=True) ran: later ensures need no collective
 
     def _gather(self, obj: Any) -> list[Any]:
         if self._watch is not None:
@@ -84,12 +85,18 @@ class GroupManager:
     def _have(self, key: tuple[int, ...]) -> bool:
         return key == self._world() or key in self._supplied or key in self._created
 
-    def ensure(self, rank_sets: Iterable[Iterable[int]]) -> None:
+    def ensure(self, rank_sets: Iterable[Iterable[int]], *, own: bool = False) -> None:
         """Collective: make a group available for every rank set, on every rank.
 
         Each rank reports the sets it is a member of and has no group for; the union is
         created on every rank in sorted order. If one member supplied a group and another
         did not, both use the newly created one, so members always agree.
+
+        ``own=True``: each rank passes only the sets it is a member of, which may differ
+        from rank to rank (plans each rank derives for itself): every rank calls it, even
+        with no sets, and it always all-gathers. After it, an ``ensure`` whose sets all
+        have a group returns without any collective (ranks with different sets cannot
+        agree on one), so ``broadcast_items`` can run on the ranks that have items only.
         """
         if self._closed:
             raise RuntimeError("GroupManager.ensure called after the manager was closed")
@@ -100,7 +107,10 @@ class GroupManager:
             raise ValueError(f"GroupManager.ensure: rank sets {out_of_range} exceed world size {world}")
         if not self.subgroups or not self._platform.is_distributed():
             return
-        if all(k == self._world() for k in keys):
+        if self._own_done and not own and all(self._have(k) for k in keys):
+            return
+        self._own_done = self._own_done or own
+        if not own and all(k == self._world() for k in keys):
             # Every rank sees the same rank sets, so every rank skips the all-gather alike.
             return
         start = time.perf_counter()

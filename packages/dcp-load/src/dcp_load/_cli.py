@@ -74,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="allow reading pickled metadata (only for checkpoints you trust)")
     p.add_argument("--rank", type=int, help="the rank's metadata to show where each rank saved its own "
                    "(a hyper-parallel save without collectives: {rank}.metadata)")
+    from ._plan_cli import add_parser as add_plan
+
+    add_plan(sub)
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
@@ -81,6 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             code = inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
+        elif args.command == "plan":
+            from ._plan_cli import run as plan_run
+
+            code = plan_run(args)
         else:
             from .demo import main as demo_main
 

@@ -12,6 +12,7 @@ from dcp_platform import PeerFailure
 
 from ._aliases import resolve_aliases
 from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
+from ._derived_plan import derived_plan, ensure_groups
 from ._errors import LoadError
 from ._execute import execute
 from ._hosts import host_id
@@ -217,11 +218,13 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     tied: list[tuple[str, str]] = []
     cast: list[str] = []
     wants: list[Want] = []
+    by_value: dict[str, Any] = {}
     try:
         try:
             if errors:
                 raise _Reported()
             tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
+            by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
             values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
             outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
             tensor_leaves = [leaf for leaf in tensor_leaves if in_mesh(leaf.value)]
@@ -247,21 +250,30 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         # The settings that shape the collectives travel with the wants: ranks that differ
         # would walk different broadcast schedules and hang, so they fail together instead.
         settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
-        host = host_id() if broadcast else None
-        gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
-                                      payload=(wants, settings, host))
-        differing = sorted({s for _, s, _ in gathered_all}, key=repr)
-        if len(differing) > 1:
-            per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
-                        for r, (_, s, _) in enumerate(gathered_all)}
-            raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
-                             for r, c in per_rank.items()}, "validate")
-        gathered = [w for w, _, _ in gathered_all]
-        hosts = [h for _, _, h in gathered_all] if host is not None else None
+        # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
+        # plain tensors, ranks exchange a fixed-size digest instead of their wants.
+        plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, wants, by_value,
+                            failed=bool(errors), settings=settings, broadcast=broadcast,
+                            same_host_reads=broadcast_replicated_tensors == AUTO,
+                            custom_planner=planner is not None) if collective else None
+        derived = plan is not None
+        if plan is None:  # the gathered path
+            host = host_id() if broadcast else None
+            gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
+                                          payload=(wants, settings, host))
+            differing = sorted({s for _, s, _ in gathered_all}, key=repr)
+            if len(differing) > 1:
+                per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
+                            for r, (_, s, _) in enumerate(gathered_all)}
+                raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
+                                 for r, c in per_rank.items()}, "validate")
+            gathered = [w for w, _, _ in gathered_all]
+            hosts = [h for _, _, h in gathered_all] if host is not None else None
         phases.end("prepare")
 
-        plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                                 hosts=hosts, same_host_reads=broadcast_replicated_tensors == AUTO)
+        if plan is None:
+            plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
+                                     hosts=hosts, same_host_reads=broadcast_replicated_tensors == AUTO)
         me = rank if collective else 0
         reads = plan.reads_for(me)
         phases.end("plan")
@@ -273,16 +285,23 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
 
         by_name = {t.name: t for t in targets}
         coord.phase = "execute"
+        groups, close_groups = (ensure_groups(platform, plan, broadcast_groups, coord.waiter) if derived
+                                else (broadcast_groups, False))
         try:
             stats = execute(platform, reader, plan, me, by_name, batch_bytes=broadcast_batch_bytes,
-                            groups=broadcast_groups, watch=coord.waiter, on_read=phases.progress.advance)
+                            groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
         except PeerFailure:
             raise  # another rank's failure: the coordinator names it
         except Exception as exc:
+            if close_groups:
+                groups.close(wait_for_peers=False)
             raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+        if close_groups:
+            groups.close()
         phases.end("execute", stats.bytes_read + stats.bytes_received)
 
-        job_read = coord.exchange(exchange, stats.errors, "execute", collective=collective, payload=stats.bytes_read)
+        job_read = coord.exchange(exchange, stats.errors, "execute", collective=collective,
+                                  payload=(stats.bytes_read, plan.unique_bytes))
         for leaf in values:
             leaf.replace(got[leaf.name])
         phases.end("finish")
@@ -297,9 +316,9 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         tensors=len(targets), values=len(values),
         bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
-        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(job_read),
-        job_unique_bytes=plan.unique_bytes, seconds=seconds, missing=tuple(missing), cast=tuple(cast),
-        skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
+        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(b for b, _ in job_read),
+        job_unique_bytes=sum(u for _, u in job_read) if derived else plan.unique_bytes, seconds=seconds,
+        missing=tuple(missing), cast=tuple(cast), skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
     phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "

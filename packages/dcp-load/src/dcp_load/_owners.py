@@ -53,11 +53,18 @@ def dtype_itemsize(dtype: str) -> int:
 
 
 class PlanBuilder:
-    """Accumulates the plan tensor by tensor; ``finish`` orders it (see module docstring)."""
+    """Accumulates the plan tensor by tensor; ``finish`` orders it (see module docstring).
+
+    ``only``: plan for this rank alone (``_local_plan``): intervals it does not want are
+    skipped, items it neither reads, sends nor receives are dropped (their owners and the
+    loads they charge are still computed, so every member settles a holder set alike), and
+    ``unique`` counts only the intervals it leads (it is their lowest wanting rank).
+    """
 
     def __init__(self, world: int, *, broadcast: bool, hosts: Sequence[str] | None,
-                 same_host_reads: bool, split_bytes: int, custom: bool):
+                 same_host_reads: bool, split_bytes: int, custom: bool, only: int | None = None):
         self.world, self.broadcast, self.auto = world, broadcast, same_host_reads
+        self.only, self._lead = only, True
         self.split_bytes, self.custom = split_bytes, custom
         self.host = list(hosts) if hosts is not None else list(range(world))
         self.loads = [0] * world
@@ -65,37 +72,39 @@ class PlanBuilder:
         self.broadcasts: list[ReadItem] = []
         self.local: list[ReadItem] = []
         self.candidates: list[ReadItem] = []  # replica groups left to a custom planner
-        # holder set -> (owner units, slabs): slabs are settled per holder set at the end
+        # holder set -> (owner units, intervals): settled per holder set at the end
         self.groups: dict[tuple[int, ...], tuple[list[list[int]], list[Any]]] = {}
-        self._by_host: dict[tuple[tuple[int, ...], Any], list[int]] = {}
-        self._split: dict[tuple[tuple[int, ...], Any], tuple[list[int], list[int]]] = {}
+        self._by_host: dict[tuple[int, ...], dict[Any, list[int]]] = {}
 
     # -- units and sources -------------------------------------------------------------
     def units(self, wanters: Sequence[int]) -> list[list[int]]:
         """The owner units of an interval: per host (auto) or per rank, in rank order."""
         if not self.auto:
             return [[r] for r in wanters]
-        out: dict[Any, list[int]] = {}
-        for r in wanters:
-            out.setdefault(self.host[r], []).append(r)
-        return list(out.values())
+        return list(self.on_host(tuple(wanters)).values())
 
     def source(self, ranks: tuple[int, ...], anchor: int) -> int:
         """The holder of ``ranks`` nearest to ``anchor``, preferring ``anchor``'s host."""
-        key = (ranks, self.host[anchor])
-        near = self._by_host.get(key)
-        if near is None:
-            near = [r for r in ranks if self.host[r] == self.host[anchor]] or list(ranks)
-            self._by_host[key] = near
+        near = self.on_host(ranks).get(self.host[anchor]) or ranks
         i = bisect.bisect_left(near, anchor)
         if i == len(near) or (i > 0 and anchor - near[i - 1] <= near[i] - anchor):
             return near[i - 1]
         return near[i]
 
+    def on_host(self, ranks: tuple[int, ...]) -> dict[Any, list[int]]:
+        """``ranks`` by host (each list sorted, hosts in rank order), once per rank set."""
+        out = self._by_host.get(ranks)
+        if out is None:
+            out = self._by_host[ranks] = {}
+            for r in ranks:
+                out.setdefault(self.host[r], []).append(r)
+        return out
+
     # -- one tensor --------------------------------------------------------------------
     def add_tensor(self, name: str, meta: Any, held: Mapping[tuple[Any, ...], list[Any]]) -> None:
-        """Cut every box of ``name`` that some rank holds into slabs (``collect_boxes``
-        output); boxes only one rank (or no broadcast) needs are planned at once."""
+        """Collect the intervals of every box of ``name`` that some rank holds
+        (``collect_boxes`` output); boxes only one rank (or no broadcast) needs are planned
+        at once, shared ones per holder set in ``settle``."""
         by_chunk: dict[int, list[Piece]] = {}
         for (offsets, sizes, dtype), (ranks, ok) in held.items():
             rank_tuple = tuple(ranks)
@@ -105,7 +114,11 @@ class PlanBuilder:
             chunk = meta.chunks[index]
             rb = row_bytes(chunk, meta.itemsize)
             for lo, hi, members in intervals(chunk, by_chunk[index]):
-                wanters = tuple(sorted({r for m in members for r in m[3]}))
+                wanters = members[0][3] if len(members) == 1 else tuple(sorted({r for m in members for r in m[3]}))
+                if self.only is not None:
+                    if self.only not in wanters:
+                        continue
+                    self._lead = wanters[0] == self.only
                 if not (self.broadcast and len(wanters) > 1 and all(m[4] for m in members)):
                     self._slab(name, index, meta, members, lo, hi, None)
                     continue
@@ -157,67 +170,64 @@ class PlanBuilder:
         subs: dict[tuple[Any, ...], list[Any]] = {}
         for piece in members:
             offsets, sizes = sub_box(piece, a, b)
-            entry = subs.setdefault((offsets, sizes, piece[2]), [set(), True])
-            entry[0].update(piece[3])
+            entry = subs.setdefault((offsets, sizes, piece[2]), [[], True])
+            entry[0].append(piece[3])
             entry[1] = entry[1] and piece[4]
         charged = []
-        for (offsets, sizes, dtype), (ranks, ok) in subs.items():
-            got = self._emit(name, index, meta, offsets, sizes, dtype, tuple(sorted(ranks)), ok, anchor)
+        for (offsets, sizes, dtype), (rank_sets, ok) in subs.items():
+            # Piece ranks are sorted tuples: one piece needs no merge (the common case).
+            ranks = rank_sets[0] if len(rank_sets) == 1 else tuple(sorted(set().union(*rank_sets)))
+            got = self._emit(name, index, meta, offsets, sizes, dtype, ranks, ok, anchor)
             if got is not None:
                 charged.append(got)
         return charged
-
-    def _split_host(self, ranks: tuple[int, ...], src: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(holders on ``src``'s host other than src, the broadcast group: src + other hosts)."""
-        if not self.auto:
-            return (), ranks
-        key = (ranks, self.host[src])
-        split = self._split.get(key)
-        if split is None:
-            here = self.host[src]
-            split = ([r for r in ranks if self.host[r] == here], [r for r in ranks if self.host[r] != here])
-            self._split[key] = split
-        near, far = split
-        return tuple(r for r in near if r != src), (tuple(sorted((src, *far))) if far else ())
 
     def _emit(self, name: str, index: int, meta: Any, offsets: tuple[int, ...], sizes: tuple[int, ...],
               dtype: str, ranks: tuple[int, ...], ok: bool, anchor: int | None) -> tuple[int, int] | None:
         numel = math.prod(sizes)
         stored = numel * meta.itemsize
         nbytes = numel * (dtype_itemsize(dtype) if dtype else meta.itemsize)
-        self.unique += stored
+        if self._lead:
+            self.unique += stored
         item = ReadItem(name, index, offsets, sizes, nbytes, ranks, None, dtype)
         if anchor is None or not (self.broadcast and ok and len(ranks) > 1):
             self._local(item, ranks, stored)
             return None
         if self.custom:
-            if self.auto and len({self.host[r] for r in ranks}) == 1:
+            if self.auto and len(self.on_host(ranks)) == 1:
                 self._local(item, ranks, stored)
             else:
                 self.candidates.append(item)
             return None
         src = self.source(ranks, anchor)
-        rest, group = self._split_host(ranks, src)
-        if not group:
+        near = self.on_host(ranks)[self.host[src]] if self.auto else [src]
+        if len(near) == len(ranks):
             self._local(item, ranks, stored)
             return None
-        self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
+        # src and every holder on another host (``ranks`` is sorted: so is the group)
+        group = ranks if len(near) == 1 else tuple(r for r in ranks if r == src or self.host[r] != self.host[src])
+        if self.only is None or self.only in group:
+            self.broadcasts.append(ReadItem(name, index, offsets, sizes, nbytes, group, src, dtype))
         self.loads[src] += stored
+        rest = tuple(r for r in near if r != src)
         if rest:
             self._local(item, rest, stored)
         return src, stored
 
     def _local(self, item: ReadItem, ranks: tuple[int, ...], stored: int) -> None:
-        self.local.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,
-                                   ranks, None, item.dtype))
         for r in ranks:
             self.loads[r] += stored
+        if self.only is not None and self.only not in ranks:
+            return
+        self.local.append(ReadItem(item.name, item.chunk, item.offsets, item.sizes, item.nbytes,
+                                   ranks, None, item.dtype))
 
     # -- the end -----------------------------------------------------------------------
     def settle(self) -> None:
         """Choose the owners of every holder set's slabs (in holder-set order)."""
         for key in sorted(self.groups):
             units, slabs = self.groups[key]
+            self._lead = self.only is None or key[0] == self.only
             self._settle(units, slabs)
         self.groups.clear()
 
@@ -237,6 +247,7 @@ class PlanBuilder:
         """Settle every holder set's owners; the plan in the agreed order: by data file,
         then name, chunk and offsets."""
         self.settle()
+
         def order(i: ReadItem) -> tuple[Any, ...]:
             return (str(tensors[i.name].chunks[i.chunk].file), i.name, i.chunk, i.offsets, i.dtype)
 

@@ -1,0 +1,139 @@
+"""Derived wants: which box every rank holds, computed from the mesh instead of gathered.
+
+A DTensor's box on any mesh member follows from the mesh, the placements and the global
+shape (torch's ``_compute_local_shape_and_global_offset`` accepts any coordinate). The box
+depends only on the coordinates of the *sharded* mesh dimensions, so ``mesh_boxes``
+computes one box per distinct shard coordinate and lists its holders from the mesh array
+(every rank along the replicated dimensions), cached per (mesh ranks, placements, global
+shape). A plain tensor is the whole tensor on every rank that holds it; it is derivable
+when every rank of the job holds it (the digest exchange checks that, ``_digest``).
+
+Entries that cannot be derived (``Chunk`` annotations, MindSpore tensors, placements
+other than ``Shard``/``Replicate``) make the whole load use the gathered wants.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Derived", "derive_entry", "mesh_boxes"]
+
+#: (offsets, sizes, holder ranks sorted) of one distinct box of a tensor
+HeldBox = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One state-dict entry and every rank's box of it.
+
+    ``layout``: what determines the boxes, hashed into the digest: ``("plain",)`` or
+    ``("mesh", mesh shape, mesh ranks, placements)``. ``holders``: every rank holding the
+    entry (the mesh, or the world for a plain tensor), sorted. ``boxes``: distinct boxes
+    (empty ones dropped) with their holders.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    flags: int
+    layout: tuple[Any, ...]
+    holders: tuple[int, ...]
+    boxes: tuple[HeldBox, ...]
+
+
+def _placement_key(placements: Sequence[Any]) -> tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for p in placements:
+        if type(p) is Replicate:
+            out.append(("R",))
+        elif type(p) is Shard:
+            out.append(("S", int(p.dim)))
+        else:
+            return ()
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def mesh_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], ranks: tuple[int, ...],
+               placements: tuple[tuple[Any, ...], ...]) -> tuple[HeldBox, ...]:
+    """Distinct non-empty boxes of a tensor of global ``shape`` laid out on a mesh of
+    ``mesh_shape`` whose ranks are ``ranks`` (row-major), with ``placements`` given as
+    ``("S", dim)`` / ``("R",)``; each with the sorted ranks holding it."""
+    import numpy as np
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    objs = [Shard(p[1]) if p[0] == "S" else Replicate() for p in placements]
+    grid = np.asarray(ranks, dtype=np.int64).reshape(mesh_shape)
+    sharded = [d for d, p in enumerate(placements) if p[0] == "S"]
+    merged: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for coords in itertools.product(*(range(mesh_shape[d]) for d in sharded)):
+        coordinate = [0] * len(mesh_shape)
+        index: list[Any] = [slice(None)] * len(mesh_shape)
+        for d, c in zip(sharded, coords, strict=True):
+            coordinate[d] = c
+            index[d] = c
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, objs)
+        sizes, offsets = tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
+        if any(s == 0 for s in sizes):
+            continue
+        merged.setdefault((offsets, sizes), []).extend(int(r) for r in np.ravel(grid[tuple(index)]))
+    return tuple((o, s, tuple(sorted(h))) for (o, s), h in merged.items())
+
+
+@functools.lru_cache(maxsize=16)
+def _world(world: int) -> tuple[int, ...]:
+    return tuple(range(world))
+
+
+def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flags: int, world: int,
+                 offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> Derived | None:
+    """The derived entry of one state-dict value, or None when it cannot be derived.
+
+    ``offsets``/``sizes``: this rank's own box (``Target``), checked against the derived
+    one so that a layout torch computes differently falls back instead of misplanning.
+    """
+    from ._state import Chunk
+    from ._targets import _is_dtensor
+
+    if isinstance(value, Chunk) or (type(value).__module__ or "").split(".", 1)[0] != "torch":
+        return None
+    if not _is_dtensor(value):
+        box = ((0,) * len(shape), shape, _world(world))
+        return Derived(name, shape, dtype, flags, ("plain",), _world(world),
+                       (box,) if all(s > 0 for s in shape) else ())
+    placements = _placement_key(value.placements)
+    if not placements:
+        return None
+    mesh = value.device_mesh
+    ranks = _mesh_ranks(mesh)
+    mesh_shape = tuple(int(s) for s in mesh.mesh.shape)
+    boxes = mesh_boxes(shape, mesh_shape, ranks, placements)
+    mine = [(o, s) for o, s, h in boxes if rank in h]
+    if any(s == 0 for s in sizes) and not mine:
+        pass  # an empty shard: this rank holds nothing of the tensor
+    elif mine != [(offsets, sizes)]:
+        return None
+    return Derived(name, shape, dtype, flags, ("mesh", mesh_shape, ranks, placements),
+                   tuple(sorted(ranks)), boxes)
+
+
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def held_boxes(entries: Sequence[Derived]) -> dict[str, dict[tuple[Any, ...], list[Any]]]:
+    """``collect_boxes``-shaped input for ``PlanBuilder.add_tensor`` from derived entries."""
+    from ._plan import BROADCASTABLE
+
+    out: dict[str, dict[tuple[Any, ...], list[Any]]] = {}
+    for e in entries:
+        ok = bool(e.flags & BROADCASTABLE)
+        out[e.name] = {(o, s, e.dtype): [list(h), ok] for o, s, h in e.boxes}
+    return out

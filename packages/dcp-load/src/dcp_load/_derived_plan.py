@@ -1,0 +1,102 @@
+"""The derived branch of ``load``: plan from the mesh, agree by digest, no gathered wants.
+
+``derived_plan`` is called by every rank of a collective load. It derives every entry's
+holders (``_derive``); when every rank of the job can, and the digest exchange
+(``_digest.agree``) finds that they planned from the same metadata, settings and state
+dict layout, it returns this rank's own plan (``_local_plan``). It returns None when any
+rank cannot derive (chunk annotations, MindSpore, other placements, a custom planner) or
+already failed: ``load`` then gathers the wants as before, and reports errors there.
+A layout mismatch raises ``LoadError`` on every rank, naming the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._derive import Derived, derive_entry
+from ._digest import agree, digest, gather_hosts, local_world_size
+from ._hosts import host_id
+from ._local_plan import plan_for_rank
+from ._plan import GlobalPlan, Want
+
+__all__ = ["derived_plan", "ensure_groups", "metadata_digest"]
+
+logger = logging.getLogger(__name__)
+
+
+def metadata_digest(tensors: Mapping[str, Any]) -> int:
+    """A hash of what planning reads from the checkpoint metadata (names, shapes, dtypes,
+    chunks and their files)."""
+    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file))
+                                                        for c in t.chunks)) for n, t in sorted(tensors.items())])
+
+
+def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
+             shapes: Mapping[str, tuple[int, ...]]) -> list[Derived] | None:
+    out = []
+    for name, offsets, sizes, flags, dtype in wants:
+        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, offsets, sizes, rank)
+        if entry is None:
+            return None
+        out.append(entry)
+    return out
+
+
+def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
+                 failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
+                 custom_planner: bool) -> GlobalPlan | None:
+    """This rank's plan, or None for the gathered path (module docstring).
+
+    ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
+    dict value of each name; ``settings``: what shapes the collectives (compared by hash).
+    """
+    start = time.perf_counter()
+    rank, world = platform.rank(), platform.world_size()
+    entries, meta_hash = None, 0
+    if not failed and not custom_planner:
+        try:
+            shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
+            entries = _entries(wants, values, rank, world, shapes)
+            meta_hash = metadata_digest(tensors)
+        except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
+            logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
+            entries = None
+    local_world = local_world_size() if broadcast else 0
+    host = host_id() if broadcast else ""
+    equal = [(meta_hash, "the checkpoint metadata differs from "
+              "other ranks' (open the same checkpoint on every rank)"),
+             (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
+              f"broadcast_batch_bytes={settings[1]}, planner={'custom' if custom_planner else 'default'}: "
+              "every rank must pass the same broadcast settings"),
+             (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
+              "must see the same")]
+    decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
+                    entries=entries or [], host=host, local_world=local_world)
+    if not decided.derived:
+        logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
+        return None
+    assert entries is not None
+    hosts: list[Any] | None = None
+    if broadcast:
+        hosts = ([r // local_world for r in range(world)] if decided.hosts_derived
+                 else gather_hosts(platform, host))
+    plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
+                         same_host_reads=same_host_reads)
+    logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,
+                 len(entries), time.perf_counter() - start, len(plan.broadcasts),
+                 "derived" if decided.hosts_derived else "gathered" if broadcast else "unused")
+    return plan
+
+
+def ensure_groups(platform: Any, plan: GlobalPlan, groups: Any, watch: Any = None) -> tuple[Any, bool]:
+    """A group manager holding every group this rank's broadcasts need, made on every rank
+    (each rank knows only its own broadcasts, so the sets are gathered: ``own=True``).
+    Returns (manager, whether the caller must close it)."""
+    from dcp_broadcast import GroupManager
+
+    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
+    manager.ensure({i.ranks for i in plan.broadcasts if len(i.ranks) > 1}, own=True)
+    return manager, manager is not groups

@@ -1,0 +1,120 @@
+"""``dcp plan``: a dry run of a load's plan for any world size, in one process.
+
+Prints the slowest rank's planning time (each distinct rank role timed), the bytes each
+rank sends to agree on the plan, bytes read per rank (max, mean, a histogram),
+broadcasts per rank and storage amplification; ``--json`` prints the same as one JSON
+object, ``--png FILE`` draws bytes read per rank (needs matplotlib: ``dcp-load[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``dcp plan`` on the ``dcp`` command's subparsers."""
+    p = sub.add_parser("plan", help="dry run: the load plan for any world size (timings, bytes per rank)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="plan for this checkpoint's metadata")
+    src.add_argument("--model", help="a built-in synthetic model: llama-8b, llama-70b or llama-405b "
+                     "(bf16, Hugging Face files of ~5 GB, one chunk per tensor)")
+    p.add_argument("--mesh", required=True, help="layout, e.g. tp=8,pp=8,dp=256 (TP innermost, then PP, then DP)")
+    p.add_argument("--fsdp", action="store_true", help="shard every tensor's dim 0 over dp (else replicate)")
+    p.add_argument("--ranks-per-host", type=int, default=8, help="ranks sharing a page cache (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
+    p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str]:
+    """A text histogram of ``values`` (bytes read per rank)."""
+    lo, hi = min(values), max(values)
+    step = (hi - lo) / bins or 1
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, int((v - lo) / step))] += 1
+    top = max(counts)
+    return [f"  {_human(lo + k * step):>11} - {_human(lo + (k + 1) * step):>11} | "
+            f"{'#' * max(1 if c else 0, round(width * c / top)):<{width}} {c}" for k, c in enumerate(counts)]
+
+
+def _tensors(args: argparse.Namespace) -> dict[str, Any]:
+    from ._simulate import model_metadata
+
+    if args.model:
+        return model_metadata(args.model)
+    from dcp_reader import open_checkpoint
+
+    with open_checkpoint(args.checkpoint, allow_pickle=args.allow_pickle) as reader:
+        return dict(reader.metadata.tensors)
+
+
+def _png(path: str, loads: Sequence[int], title: str) -> None:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ValueError("--png needs matplotlib: pip install 'dcp-load[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(range(len(loads)), [v / 2**20 for v in loads], linewidth=0.6)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("MiB read from storage")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    """Run ``dcp plan`` with parsed ``args``; 0 on success, 2 on bad input."""
+    from ._simulate import Layout, parse_mesh, simulate
+
+    out = out or sys.stdout
+    try:
+        mesh = parse_mesh(args.mesh)
+        if args.ranks_per_host < 1:
+            raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+        tensors = _tensors(args)
+        layout = Layout(mesh["tp"], mesh["pp"], mesh["dp"], fsdp=args.fsdp, ranks_per_host=args.ranks_per_host)
+        result = simulate(tensors, layout)
+        title = f"{args.model or args.checkpoint}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
+        if args.png:
+            _png(args.png, result["read_bytes_per_rank"], title)
+    except (ValueError, OSError) as exc:
+        print(f"dcp plan: {exc}", file=sys.stderr)
+        return 2
+    loads = result.pop("read_bytes_per_rank")
+    if args.json:
+        print(json.dumps(result, sort_keys=True), file=out)
+        return 0
+    lines = [
+        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {_human(result['unique_bytes'])}",
+        f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms "
+        f"wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
+        f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
+        f"broadcast group sets: {_human(result['group_set_bytes_per_rank_max'])}",
+        f"read per rank: max {_human(result['read_bytes_per_rank_max'])}, mean "
+        f"{_human(result['read_bytes_per_rank_mean'])} (max/mean "
+        f"{result['read_bytes_per_rank_max'] / max(1.0, result['read_bytes_per_rank_mean']):.3f})",
+        f"broadcasts per rank: max {result['broadcasts_per_rank_max']}",
+        f"storage amplification: {result['amplification']:.4f}",
+        "bytes read per rank:", *histogram(loads),
+    ]
+    print("\n".join(lines), file=out)
+    return 0

@@ -1,0 +1,234 @@
+"""A load's plan for any world size, in one process: what ``dcp plan`` prints.
+
+A synthetic model (``MODELS``: Llama-like shapes, bf16, saved as Hugging Face safetensors
+with one chunk per tensor in files of about 5 GB) or a checkpoint's metadata, held on a
+``tp x pp x dp`` layout: TP innermost (rank = (dp_i * pp + pp_i) * tp + tp_i), pipeline
+stages of consecutive layers (embeddings on the first, final norm and lm_head on the
+last), column-parallel weights ``Shard(0)`` over tp, row-parallel ones ``Shard(1)``,
+norms replicated; ``Replicate`` over dp, or ``Shard(0)`` with ``fsdp``. Tensors of a
+checkpoint are classified by name the same way (``o_proj``/``down_proj``/``wo``/``w2``:
+row-parallel; 1-D: replicated; ``layers.N.``: layer N).
+
+Every rank's role is its (pp, tp) coordinate: ``simulate`` times the rank-local planning
+(derivation, digest lanes, ``plan_for_rank``) of one rank per role, and builds the whole
+job's reads stage by stage (owners are chosen per holder set, and a stage's holder sets
+never leave the stage) to report bytes read and broadcasts per rank. Bytes read per rank
+count page-cache re-reads by ranks of one host; amplification is the bytes fetched from
+storage (once per broadcast, once per host for a box its ranks each read) over the unique
+bytes wanted.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._derive import Derived, mesh_boxes
+from ._plan import BROADCASTABLE, VIEWS
+
+__all__ = ["MODELS", "Layout", "model_metadata", "parse_mesh", "simulate"]
+
+FILE_BYTES = 5 * 10**9
+
+#: name -> (layers, hidden, kv dim, intermediate, vocab): Llama 3.1 shapes
+MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "llama-8b": (32, 4096, 1024, 14336, 128256),
+    "llama-70b": (80, 8192, 1024, 28672, 128256),
+    "llama-405b": (126, 16384, 1024, 53248, 128256),
+}
+
+_ROW_PARALLEL = re.compile(r"(o_proj|down_proj|\.wo|\.w2|out_proj|dense_4h_to_h)")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def model_metadata(model: str) -> dict[str, Any]:
+    """Checkpoint metadata of a synthetic model, as dcp_reader builds it for HF files."""
+    from dcp_reader import ChunkMeta, TensorMeta
+
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r} is not a built-in model; choose one of {', '.join(MODELS)} "
+                         "or give --checkpoint DIR")
+    layers, h, kv, inter, vocab = MODELS[model]
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                   (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                   (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    out: dict[str, Any] = {}
+    file_no, size = 1, 0
+    for name, shape in shapes:
+        nbytes = math.prod(shape) * 2
+        if size and size + nbytes > FILE_BYTES:
+            file_no, size = file_no + 1, 0
+        size += nbytes
+        chunk = ChunkMeta((0,) * len(shape), shape, f"model-{file_no:05d}.safetensors", name)
+        out[name] = TensorMeta(name, shape, "bfloat16", (chunk,))
+    return out
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"tp=8,pp=8,dp=256"`` -> {"tp": 8, "pp": 8, "dp": 256} (missing dims are 1)."""
+    out = {"tp": 1, "pp": 1, "dp": 1}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key not in out or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh {text!r}: each part must be tp=N, pp=N or dp=N with N >= 1, got {part!r}")
+        out[key] = int(value)
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The ``tp x pp x dp`` layout (see module docstring) and how ranks share hosts."""
+
+    tp: int
+    pp: int
+    dp: int
+    fsdp: bool = False
+    ranks_per_host: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, dp_i: int, pp_i: int, tp_i: int) -> int:
+        return (dp_i * self.pp + pp_i) * self.tp + tp_i
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The stage's mesh (dp, tp), row-major."""
+        return tuple(self.rank(d, stage, t) for d in range(self.dp) for t in range(self.tp))
+
+    def host(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+
+def _stage_of(name: str, tensors: Mapping[str, Any], pp: int, layers: int) -> int:
+    m = _LAYER.search(name)
+    if m:
+        return min(pp - 1, int(m.group(1)) * pp // max(1, layers))
+    return 0 if "embed" in name else pp - 1
+
+
+def _placements(name: str, ndim: int, layout: Layout) -> tuple[tuple[Any, ...], ...]:
+    dp = ("S", 0) if layout.fsdp and ndim else ("R",)
+    if ndim < 2:
+        return dp, ("R",)
+    return dp, ("S", 1 if _ROW_PARALLEL.search(name) else 0)
+
+
+def stage_entries(tensors: Mapping[str, Any], layout: Layout) -> list[list[Derived]]:
+    """Per pipeline stage: the derived entries every rank of the stage holds."""
+    layers = 1 + max((int(m.group(1)) for n in tensors if (m := _LAYER.search(n))), default=0)
+    flags = BROADCASTABLE | VIEWS
+    out: list[list[Derived]] = [[] for _ in range(layout.pp)]
+    mesh_shape = (layout.dp, layout.tp)
+    for stage in range(layout.pp):
+        ranks = layout.stage_ranks(stage)
+        holders = tuple(sorted(ranks))
+        for name, meta in tensors.items():
+            if _stage_of(name, tensors, layout.pp, layers) != stage:
+                continue
+            shape = tuple(meta.shape)
+            key = _placements(name, len(shape), layout)
+            boxes = mesh_boxes(shape, mesh_shape, ranks, key)
+            out[stage].append(Derived(name, shape, meta.dtype, flags, ("mesh", mesh_shape, ranks, key), holders,
+                                      boxes))
+    return out
+
+
+def _time_role(tensors: Mapping[str, Any], layout: Layout, stage: int, rank: int,
+               entries: Sequence[Derived]) -> tuple[float, float]:
+    """(wall, CPU) seconds one rank spends planning: derive its entries (cold cache), the
+    digest lanes, and its own plan. CPU time is what a rank with a core to itself waits."""
+    from ._derived_plan import metadata_digest
+    from ._digest import holder_lane
+    from ._local_plan import plan_for_rank
+
+    hosts = [layout.host(r) for r in range(layout.world)]
+    mesh_boxes.cache_clear()
+    start, cpu = time.perf_counter(), time.process_time()
+    stage_entries_again = [Derived(e.name, e.shape, e.dtype, e.flags, e.layout, e.holders,
+                                   mesh_boxes(e.shape, e.layout[1], e.layout[2], e.layout[3])) for e in entries]
+    metadata_digest(tensors)
+    holder_lane(stage_entries_again, rank)
+    plan_for_rank(tensors, stage_entries_again, rank, layout.world, hosts=hosts, same_host_reads=True)
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _fetched(plan: Any, tensors: Mapping[str, Any], layout: Layout) -> int:
+    """Bytes fetched from storage: each box once per host that reads it (ranks of one host
+    share its page cache, so a box its broadcaster fetched is free to its neighbours)."""
+    readers: dict[tuple[Any, ...], set[int]] = {}
+    for item in plan.broadcasts:
+        readers.setdefault((item.name, item.chunk, item.offsets, item.sizes), set()).add(layout.host(item.reader))
+    for item in plan.local:
+        readers.setdefault((item.name, item.chunk, item.offsets, item.sizes), set()).update(
+            layout.host(r) for r in item.ranks)
+    return sum(len(h) * math.prod(k[3]) * tensors[k[0]].itemsize for k, h in readers.items())
+
+
+def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True) -> dict[str, Any]:
+    """The plan's numbers for every rank of ``layout`` (see module docstring)."""
+    import numpy as np
+
+    from ._digest import LANES_BYTES
+    from ._owners import PlanBuilder
+    from ._plan import SPLIT_BYTES
+
+    world = layout.world
+    per_stage = stage_entries(tensors, layout)
+    hosts = [layout.host(r) for r in range(world)]
+    loads = np.zeros(world, dtype=np.int64)
+    bcasts = np.zeros(world, dtype=np.int64)
+    group_bytes = np.zeros(world, dtype=np.int64)
+    unique = fetched = 0
+    for entries in per_stage:
+        builder = PlanBuilder(world, broadcast=True, hosts=hosts, same_host_reads=True, split_bytes=SPLIT_BYTES,
+                              custom=False)
+        from ._derive import held_boxes
+
+        for name, held in held_boxes(entries).items():
+            builder.add_tensor(name, tensors[name], held)
+        plan = builder.finish(tensors)
+        loads += np.asarray(plan.loads, dtype=np.int64)
+        unique += plan.unique_bytes
+        fetched += _fetched(plan, tensors, layout)
+        groups = Counter(i.ranks for i in plan.broadcasts)
+        for ranks, count in groups.items():
+            idx = np.asarray(ranks)
+            bcasts[idx] += count
+            group_bytes[idx] += len(pickle.dumps(ranks))  # the group sets a rank reports once
+    seconds, cpu = [], []
+    if time_roles:
+        _time_role(tensors, layout, 0, 0, per_stage[0])  # warm-up: imports and first-call costs
+        for stage, entries in enumerate(per_stage):
+            for tp_i in range(layout.tp):
+                wall, used = _time_role(tensors, layout, stage, layout.rank(0, stage, tp_i), entries)
+                seconds.append(wall)
+                cpu.append(used)
+    return {
+        "world_size": world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
+        "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
+        "planning_seconds_max": max(seconds, default=0.0),
+        "planning_seconds_median": float(np.median(seconds)) if seconds else 0.0,
+        "planning_cpu_seconds_max": max(cpu, default=0.0),
+        "planning_cpu_seconds_median": float(np.median(cpu)) if cpu else 0.0,
+        "exchanged_bytes_per_rank_max": LANES_BYTES,
+        "group_set_bytes_per_rank_max": int(group_bytes.max()) if world else 0,
+        "read_bytes_per_rank_max": int(loads.max()), "read_bytes_per_rank_mean": float(loads.mean()),
+        "read_bytes_total": int(loads.sum()), "unique_bytes": unique,
+        "broadcasts_per_rank_max": int(bcasts.max()),
+        "storage_bytes": fetched,
+        "amplification": fetched / unique if unique else 0.0,
+        "read_bytes_per_rank": loads.tolist(),
+    }

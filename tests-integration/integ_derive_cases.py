@@ -1,0 +1,150 @@
+"""Functions that run inside ranks for the derived-planning integration tests (not a test
+module; see integ_load_cases for why). Every control collective a rank makes during a load
+is counted (bytes it sends: the tensor of an all-reduce, the pickled object of an
+all-gather), targets are poisoned before every load and compared bit-exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from integ_load_cases import HOST_ID_ENV, check, dtensor, full, local_of, poison_like, report, run_case, same
+
+# Many small tensors: the count must not change the control bytes of a derived load.
+MANY = 96
+
+
+class Counter:
+    """Counts the bytes this rank sends through torch.distributed's object and reduce
+    collectives while installed (``with Counter() as c``)."""
+
+    def __enter__(self) -> Counter:
+        import torch.distributed as dist
+
+        self.sent, self.calls = 0, []
+        self._saved = dist.all_gather_object, dist.all_reduce
+        gather, reduce = self._saved
+
+        def all_gather_object(out: Any, obj: Any, group: Any = None) -> Any:
+            self.sent += len(pickle.dumps(obj))
+            self.calls.append("all_gather_object")
+            return gather(out, obj, group=group)
+
+        def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+            self.sent += tensor.numel() * tensor.element_size()
+            self.calls.append("all_reduce")
+            return reduce(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_gather_object, dist.all_reduce = all_gather_object, all_reduce
+        import dcp_load._digest as digest_module
+
+        self._store = digest_module._store
+        counter = self
+
+        class CountingStore:  # the tied-weights check: one add per (name, layout) a rank leads
+            def __init__(self, inner: Any):
+                self.inner = inner
+
+            def add(self, key: str, value: int) -> int:
+                counter.store_sent += len(key) + 8
+                return self.inner.add(key, value)
+
+        self.store_sent = 0
+        digest_module._store = lambda: CountingStore(self._store())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.all_gather_object, dist.all_reduce = self._saved
+        import dcp_load._digest as digest_module
+
+        digest_module._store = self._store
+
+
+def _many(n: int) -> dict[str, Any]:
+    return {f"many.{i}": poison_like(full_many(i)) for i in range(n)}
+
+
+def full_many(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(4, 3, generator=g)
+
+
+def derive_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
+    import dcp_load
+    from dcp_load import Chunk
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    R, S = Replicate(), Shard
+    results: dict[str, Any] = {}
+    os.environ.pop(HOST_ID_ENV, None)  # hosts derived from LOCAL_WORLD_SIZE=2: two "nodes"
+
+    def layers(placements: list[Any]) -> dict[str, Any]:
+        return {name: dtensor(name, mesh, placements) for name in ("layers.0.attn.wq", "layers.0.mlp.w1",
+                                                                    "layers.1.mlp.w1", "embed.weight")}
+
+    def counted(state: dict[str, Any], errors: list[str], where: str, **kw: Any) -> dict[str, Any]:
+        with Counter() as c:
+            r = dcp_load.load(state, **kw)
+        for name, value in state.items():
+            want = full_many(int(name.split(".")[1])) if name.startswith("many.") else None
+            if want is not None and not same(local_of(value), want):
+                errors.append(f"{where}: {name!r} holds wrong values")
+        check({k: v for k, v in state.items() if not k.startswith("many.")}, errors, where)
+        return {"sent": c.sent, "store_sent": c.store_sent, "calls": c.calls, "report": report(r)}
+
+    for label, placements in (("RS0", [R, S(0)]), ("RS1", [R, S(1)]), ("RR", [R, R])):
+        for src in ("tp4", "uneven"):
+            key = f"values_{label}_{src}"
+            run_case(results, key, lambda e, p=placements, s=src, k=key: counted(
+                {**layers(p), "layers.0.norm": poison_like(full("layers.0.norm"))}, e, k, checkpoint_id=ckpts[s]))
+    for n in (8, MANY):
+        run_case(results, f"count_{n}", lambda e, n=n: counted(
+            {**layers([R, S(0)]), **_many(n)}, e, f"count {n}", checkpoint_id=ckpts["many"]))
+
+    def gathered(errors: list[str]) -> Any:  # one Chunk annotation anywhere: every rank gathers
+        state: dict[str, Any] = {**layers([R, S(0)]), **_many(MANY)}
+        if rank == 1:
+            t = full("odd.w")
+            state["odd.w"] = Chunk(poison_like(t), tuple(t.shape), (0, 0))
+        else:
+            state["odd.w"] = poison_like(full("odd.w"))
+        return counted(state, errors, "gathered", checkpoint_id=ckpts["many"])
+
+    run_case(results, "gathered", gathered)
+    run_case(results, "hosts_gathered", lambda e: _with_env(HOST_ID_ENV, f"node{rank}", lambda: counted(
+        layers([R, S(1)]), e, "hosts gathered", checkpoint_id=ckpts["tp4"])))
+    run_case(results, "spec_differs", lambda e: _raises(
+        {**layers([R, S(0)] if rank != 3 else [R, R]), "layers.0.norm": poison_like(full("layers.0.norm"))},
+        e, checkpoint_id=ckpts["tp4"]))
+    extra = {"odd.w": poison_like(full("odd.w"))} if rank == 2 else {}
+    run_case(results, "extra_plain", lambda e: _raises({**layers([R, S(1)]), **extra}, e,
+                                                       checkpoint_id=ckpts["tp4"]))
+    return results
+
+
+def _with_env(name: str, value: str, fn: Callable[[], Any]) -> Any:
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        os.environ.pop(name, None)
+
+
+def _raises(state: dict[str, Any], errors: list[str], **kw: Any) -> Any:
+    import dcp_load
+
+    try:
+        dcp_load.load(state, **kw)
+    except dcp_load.LoadError as exc:
+        poisoned = all(torch.isnan(local_of(v)).all() for v in state.values())
+        return {"message": str(exc), "failures": sorted(exc.failures), "phase": exc.phase, "poisoned": poisoned}
+    errors.append("no LoadError")
+    return None
