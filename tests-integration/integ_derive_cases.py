@@ -19,15 +19,16 @@ MANY = 96
 
 
 class Counter:
-    """Counts the bytes this rank sends through torch.distributed's object and reduce
-    collectives while installed (``with Counter() as c``)."""
+    """Counts the bytes this rank sends through torch.distributed's object, gather and
+    reduce collectives while installed (``with Counter() as c``). A bounded object gather
+    (``dcp_platform.Watch.gather``) runs as two tensor all-gathers: their bytes count."""
 
     def __enter__(self) -> Counter:
         import torch.distributed as dist
 
         self.sent, self.calls = 0, []
-        self._saved = dist.all_gather_object, dist.all_reduce
-        gather, reduce = self._saved
+        self._saved = dist.all_gather_object, dist.all_reduce, dist.all_gather
+        gather, reduce, tensor_gather = self._saved
 
         def all_gather_object(out: Any, obj: Any, group: Any = None) -> Any:
             self.sent += len(pickle.dumps(obj))
@@ -39,7 +40,12 @@ class Counter:
             self.calls.append("all_reduce")
             return reduce(tensor, op=op, group=group, async_op=async_op)
 
-        dist.all_gather_object, dist.all_reduce = all_gather_object, all_reduce
+        def all_gather(outs: Any, tensor: Any, group: Any = None, async_op: bool = False) -> Any:
+            self.sent += tensor.numel() * tensor.element_size()
+            self.calls.append("all_gather")
+            return tensor_gather(outs, tensor, group=group, async_op=async_op)
+
+        dist.all_gather_object, dist.all_reduce, dist.all_gather = all_gather_object, all_reduce, all_gather
         import dcp_load._digest as digest_module
 
         self._store = digest_module._store
@@ -60,7 +66,7 @@ class Counter:
     def __exit__(self, *exc: object) -> None:
         import torch.distributed as dist
 
-        dist.all_gather_object, dist.all_reduce = self._saved
+        dist.all_gather_object, dist.all_reduce, dist.all_gather = self._saved
         import dcp_load._digest as digest_module
 
         digest_module._store = self._store
