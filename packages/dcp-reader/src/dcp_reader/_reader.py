@@ -14,8 +14,8 @@ from typing import Any
 from ._detect import detect_format
 from ._dtypes import to_safetensors, torch_dtype_name
 from ._errors import (
+    CheckpointError,
     MetadataError,
-    MissingFileError,
     MissingKeyError,
     TruncatedFileError,
     UnsafePickleError,
@@ -24,7 +24,7 @@ from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hf import load_hf
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
 from ._native import load_native
-from ._paths import check_files, resolve
+from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
 
@@ -34,17 +34,15 @@ logger = logging.getLogger(__name__)
 class _RawFile:
     """An open .distcp file and its size (taken once, at open)."""
 
-    def __init__(self, real: str):
-        try:
-            self.f = open(real, "rb")
-        except FileNotFoundError:
-            raise MissingFileError("the data file does not exist; the checkpoint is incomplete: copy "
-                                   "the missing file or re-save", path=real) from None
-        self.path = real
-        self.size = os.fstat(self.f.fileno()).st_size
+    def __init__(self, root_real: str, name: str, key: str | None):
+        self.fd = open_regular(root_real, name, key=key)
+        self.path = os.path.join(root_real, name)
+        self.size = os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class CheckpointReader:
@@ -94,8 +92,7 @@ class CheckpointReader:
         if f is not None:
             self._files.move_to_end(name)
             return f
-        real = resolve(self.path, name, key=key)
-        f = _RawFile(real) if self.format == "torch-dcp" else SafetensorsFile(real)
+        f = _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
         self._files[name] = f
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)
@@ -154,12 +151,13 @@ class CheckpointReader:
                 raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
                                          f"has {f.size} bytes; the file is truncated: re-copy it",
                                          path=f.path, key=name)
-            try:
-                tensor = load_blob(f.f, chunk.storage)
-            except Exception as e:  # torch.load's errors vary by version; report them typed
-                raise MetadataError(f"cannot load the payload of {name!r} at {chunk.storage} "
-                                    f"({type(e).__name__}: {e}); the file is corrupt", path=f.path,
-                                    key=name) from None
+            tensor = self._blob_of(f, name, chunk.storage, weights_only=True)
+            import torch
+
+            if not isinstance(tensor, torch.Tensor):
+                raise MetadataError(f"the payload of {name!r} at {chunk.storage} holds a "
+                                    f"{type(tensor).__name__}, not a tensor; the metadata and the file "
+                                    "disagree: re-save the checkpoint", path=f.path, key=name)
             if tuple(tensor.shape) != chunk.sizes or torch_dtype_name(tensor.dtype) != dtype:
                 raise MetadataError(f"payload of {name!r} is {tensor.dtype} {list(tensor.shape)} but the "
                                     f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
@@ -189,9 +187,8 @@ class CheckpointReader:
                                     path=self.path, key=name)
         d = self._pickles.get(v.file)
         if d is None:
-            real = resolve(self.path, v.file, key=name)
-            with open(real, "rb") as f:
-                d = pickle.load(f)  # opted in by the caller (allow_pickle=True)
+            raw = read_regular(self.path, v.file, limit=METADATA_LIMIT, key=name)
+            d = pickle.loads(raw)  # opted in by the caller (allow_pickle=True)
             self._pickles[v.file] = d
         if v.key not in d:
             raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
@@ -205,13 +202,32 @@ class CheckpointReader:
             raise TruncatedFileError(f"{name!r} is stored at bytes [{storage[0]}, {sum(storage)}) but the "
                                      f"file has {f.size} bytes; re-copy it", path=f.path, key=name)
         try:
-            return load_blob(f.f, storage, weights_only=True)
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True)
         except pickle.UnpicklingError as e:
             if not self.allow_pickle:
                 raise UnsafePickleError(f"value {name!r} holds objects torch.load(weights_only=True) refuses "
-                                        f"({e}); pass allow_pickle=True only if you trust the checkpoint",
-                                        path=f.path, key=name) from None
-        return load_blob(f.f, storage, weights_only=False)  # opted in by the caller
+                                        f"({str(e)[:300]}); pass allow_pickle=True only if you trust the "
+                                        "checkpoint", path=f.path, key=name) from None
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
+            raise _corrupt_blob(f.path, name, storage, e) from None
+        return self._blob_of(f, name, storage, weights_only=False)  # opted in by the caller
+
+    @staticmethod
+    def _blob_of(f: _RawFile, name: str, storage: tuple[int, int], *, weights_only: bool) -> Any:
+        try:
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=weights_only)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
+            raise _corrupt_blob(f.path, name, storage, e) from None
+
+
+def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseException) -> CheckpointError:
+    return MetadataError(f"cannot load the torch.save payload of {name!r} at (offset, length) {storage} "
+                         f"({type(e).__name__}: {str(e)[:300]}); the file is corrupt: re-copy or re-save it",
+                         path=path, key=name)
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,

@@ -4,7 +4,6 @@ cut with the header's byte offsets (numpy; torch through ``torch.from_numpy``)."
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -13,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
-from ._errors import MetadataError, MissingFileError, MissingKeyError, TruncatedFileError, summarise
+from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
+from ._json import load_json
+from ._paths import open_regular
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)
 
@@ -46,10 +47,10 @@ def read_header(fd: int, file_size: int, name: str) -> Header:
         raise TruncatedFileError(f"header length {n} runs past the end of the {file_size}-byte file; "
                                  "the file is truncated or not safetensors: re-copy it", path=name)
     raw = os.pread(fd, n, 8)
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MetadataError(f"invalid safetensors header JSON ({e}); the file is corrupt", path=name) from None
+    if len(raw) != n:
+        raise TruncatedFileError(f"read {len(raw)} of the {n}-byte header; the file shrank while being read",
+                                 path=name)
+    doc = load_json(raw, name, "the safetensors header is corrupt: re-copy or re-save the file")
     if not isinstance(doc, dict):
         raise MetadataError("safetensors header is not a JSON object; the file is corrupt", path=name)
     meta = doc.pop("__metadata__", None)
@@ -96,15 +97,12 @@ def read_header(fd: int, file_size: int, name: str) -> Header:
     return Header(entries, meta, data_start, file_size)
 
 
-def read_header_at(path: str, name: str) -> Header:
-    """Open, parse the header of, and close a file (metadata discovery for hf formats)."""
+def read_header_at(root_real: str, name: str) -> Header:
+    """Open (a regular file inside ``root_real`` only), parse the header of, and close a
+    file (metadata discovery for hf formats)."""
+    fd = open_regular(root_real, name)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingFileError(f"file {name!r} does not exist; the checkpoint is incomplete",
-                               path=path) from None
-    try:
-        return read_header(fd, os.fstat(fd).st_size, path)
+        return read_header(fd, os.fstat(fd).st_size, os.path.join(root_real, name))
     finally:
         os.close(fd)
 
@@ -112,15 +110,11 @@ def read_header_at(path: str, name: str) -> Header:
 class SafetensorsFile:
     """An open safetensors data file (held in the reader's LRU)."""
 
-    def __init__(self, real_path: str):
-        self.path = real_path
+    def __init__(self, root_real: str, name: str, key: str | None = None):
+        self.path = os.path.join(root_real, name)
+        self._fd = open_regular(root_real, name, key=key)
         try:
-            self._fd = os.open(real_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise MissingFileError("the data file does not exist; the checkpoint is incomplete: copy "
-                                   "the missing file or re-save", path=real_path) from None
-        try:
-            self.header = read_header(self._fd, os.fstat(self._fd).st_size, real_path)
+            self.header = read_header(self._fd, os.fstat(self._fd).st_size, self.path)
         except BaseException:
             os.close(self._fd)
             raise

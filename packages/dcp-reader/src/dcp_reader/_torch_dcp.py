@@ -15,9 +15,17 @@ import pickle
 from typing import Any
 
 from ._dtypes import DTYPE_NAMES
-from ._errors import CheckpointError, MetadataError, UnknownDtypeError, UnsafePickleError, summarise
+from ._errors import (
+    CheckpointError,
+    MetadataError,
+    MissingFileError,
+    UnknownDtypeError,
+    UnsafePickleError,
+    summarise,
+)
 from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import check_files
+from ._paths import METADATA_LIMIT, check_files, read_regular
+from ._pread import pread_into
 
 METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
@@ -144,16 +152,17 @@ def _neutral(dtype: Any, path: str, fqn: str) -> str:
 def load_torch_dcp(root_real: str) -> CheckpointMetadata:
     path = os.path.join(root_real, METADATA_FILE)
     try:
-        with open(path, "rb") as f:
-            md = _RestrictedUnpickler(f, path).load()
-    except CheckpointError:
-        raise
-    except FileNotFoundError:
+        data = read_regular(root_real, METADATA_FILE, limit=METADATA_LIMIT, key=METADATA_FILE)
+    except MissingFileError:
         from ._errors import MissingMetadataError
 
         raise MissingMetadataError(f"{METADATA_FILE} is missing: an incomplete torch.distributed.checkpoint "
                                    "save (it writes .metadata last); re-run the save", path=root_real,
                                    key=METADATA_FILE) from None
+    try:
+        md = _RestrictedUnpickler(io.BytesIO(data), path).load()
+    except CheckpointError:
+        raise
     except Exception as e:  # any malformed pickle: report, never propagate half-built state
         raise MetadataError(f"cannot read the pickled metadata ({type(e).__name__}: {e}); the file is "
                             "corrupt or from an unsupported torch version", path=path) from None
@@ -217,16 +226,12 @@ def load_torch_dcp(root_real: str) -> CheckpointMetadata:
         raise e.with_path(path) from None
 
 
-def load_blob(f: Any, storage: tuple[int, int], *, weights_only: bool = True) -> Any:
-    """torch.load of the torch.save blob at ``storage`` in the open file ``f``."""
+def load_blob(fd: int, storage: tuple[int, int], *, path: str, key: str, weights_only: bool = True) -> Any:
+    """torch.load of the torch.save blob at ``storage`` in the open file ``fd``; a short
+    read is TruncatedFileError, anything torch.load raises is left to the caller."""
     import torch
 
     offset, length = storage
     buf = bytearray(length)
-    n = os.preadv(f.fileno(), [buf], offset) if hasattr(os, "preadv") else None
-    if n is None:
-        f.seek(offset)
-        n = f.readinto(buf)
-    if n != length:
-        raise EOFError(f"read {n} of {length} bytes")
+    pread_into(fd, buf, offset, path=path, key=key)
     return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=weights_only)
