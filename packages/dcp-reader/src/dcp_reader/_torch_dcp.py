@@ -1,9 +1,8 @@
 """torch.distributed.checkpoint's default format: a pickled ``.metadata`` plus ``*.distcp``.
 
-The pickle is read by an unpickler that resolves only an allow-list of names, each to an
-inert stand-in defined here (a record of its arguments): no torch class, function or
-constructor from the checkpoint ever runs, and torch is not even imported. Any other name
-raises UnsafePickleError before anything is built. Tensor payloads are torch.save blobs at
+The pickle is read by ``_unpickle._RestrictedUnpickler``: an allow-list of names, each
+resolved to an inert stand-in, with bounds on memo indices and on the elements built (no
+torch code runs, and torch is not even imported). Tensor payloads are torch.save blobs at
 (offset, length) in a .distcp file, read with ``torch.load(weights_only=True)``.
 """
 
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from typing import Any
 
 from ._dtypes import DTYPE_NAMES
@@ -20,122 +18,19 @@ from ._errors import (
     MetadataError,
     MissingFileError,
     UnknownDtypeError,
-    UnsafePickleError,
     summarise,
 )
 from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ._paths import METADATA_LIMIT, check_files, read_regular
 from ._pread import pread_into
+from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
+
+# Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.
+__all__ = ["METADATA_FILE", "_ALLOWED", "_TORCH_DTYPES", "_Dtype", "_Record", "_RestrictedUnpickler",
+           "load_blob", "load_torch_dcp"]
 
 METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
-
-
-class _Record:
-    """Inert stand-in for an allowed class: keeps constructor args and pickled state."""
-
-    qualname = "?"
-    args: tuple[Any, ...] = ()
-    state: Any = None
-
-    # pickle's NEWOBJ calls __new__ without __init__: record the arguments here
-    def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
-        obj = super().__new__(cls)
-        obj.args = args
-        obj.state = dict(kwargs)
-        return obj
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], (dict, type(None))):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
-        self.state = state
-
-    def get(self, name: str, index: int | None = None) -> Any:
-        if isinstance(self.state, dict) and name in self.state:
-            return self.state[name]
-        if index is not None:
-            if isinstance(self.state, tuple) and len(self.state) > index:
-                return self.state[index]
-            if len(self.args) > index:
-                return self.args[index]
-        return None
-
-
-def _record_class(qualname: str) -> type[_Record]:
-    return type(qualname.rsplit(".", 1)[-1], (_Record,), {"qualname": qualname})
-
-
-class _Dtype:
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-
-def _size(*args: Any) -> tuple[int, ...]:  # torch.Size(iterable) -> plain tuple
-    return tuple(args[0]) if args else ()
-
-
-def _opaque(*args: Any) -> Any:  # layouts, memory formats, paths: values we do not need
-    return args
-
-
-def _reconstructor(cls: Any, base: Any, state: Any = None) -> Any:  # copyreg, protocol < 2
-    if not (isinstance(cls, type) and issubclass(cls, _Record)):
-        raise pickle.UnpicklingError(f"copyreg._reconstructor of {cls!r}")
-    return cls.__new__(cls)
-
-
-_RECORDS = {
-    f"{_DCP}.metadata": ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                          "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta"),
-    f"{_DCP}.filesystem": ("_StorageInfo",),
-}
-_ALLOWED: dict[tuple[str, str], Any] = {
-    (mod, name): _record_class(f"{mod}.{name}") for mod, names in _RECORDS.items() for name in names
-}
-_ALLOWED.update({
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _opaque,
-    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): _opaque,
-    ("pathlib", "PosixPath"): _opaque,
-    ("pathlib", "WindowsPath"): _opaque,
-    ("pathlib", "PurePosixPath"): _opaque,
-    ("collections", "OrderedDict"): dict,
-    ("builtins", "set"): set,
-    ("copyreg", "_reconstructor"): _reconstructor,
-    ("builtins", "object"): object,
-})
-for _n in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"):
-    _ALLOWED[("torch", _n)] = _n
-# every dtype name torch has or had: an unknown one becomes UnknownDtypeError, not a refusal
-_TORCH_DTYPES = DTYPE_NAMES | {
-    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "int1", "int2", "int3", "int4",
-    "int5", "int6", "int7", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-    "complex32", "complex128", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits1x8",
-    "bits2x4", "bits4x2", "bits8", "bits16", "half", "float", "double", "cfloat", "cdouble", "long",
-    "int", "short", "chalf"}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, f: Any, path: str):
-        super().__init__(f)
-        self._path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[(module, name)]
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _Dtype(name)
-        raise UnsafePickleError(
-            f"the pickled metadata refers to {module}.{name}, which is not a torch.distributed.checkpoint "
-            "metadata class; refusing to load it (nothing was executed). If you trust this checkpoint, "
-            "convert it with torch.distributed.checkpoint itself", path=self._path, key=f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"persistent id {pid!r:.80} in the metadata pickle; refusing it",
-                                path=self._path)
 
 
 def _neutral(dtype: Any, path: str, fqn: str) -> str:
