@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._errors import TruncatedFileError
+from ._errors import CheckpointError, TruncatedFileError
 
 _MAX_CALL = 1 << 30  # bytes per preadv call: Linux transfers at most ~2 GiB per call anyway
 
@@ -19,12 +19,16 @@ def pread_into(fd: int, buf: Any, offset: int, *, path: str, key: str | None) ->
     done, total = 0, len(view)
     while done < total:
         part = view[done:done + _MAX_CALL]
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [part], offset + done)
-        else:  # no preadv (macOS < 11): one extra copy
-            data = os.pread(fd, len(part), offset + done)
-            n = len(data)
-            part[:n] = data
+        try:
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [part], offset + done)
+            else:  # no preadv (macOS < 11): one extra copy
+                data = os.pread(fd, len(part), offset + done)
+                n = len(data)
+                part[:n] = data
+        except OSError as e:  # EIO from failing storage, EBADF after close, ...
+            raise CheckpointError(f"reading bytes [{offset}, {offset + total}) of {key!r} failed: {e}",
+                                  path=path, key=key) from None
         if n == 0:
             raise TruncatedFileError(
                 f"the file ended after byte {offset + done} while reading bytes [{offset}, {offset + total}) "

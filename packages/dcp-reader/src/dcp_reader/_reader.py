@@ -230,26 +230,43 @@ def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseExcepti
                          path=path, key=name)
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
-                    max_open_files: int = 64) -> CheckpointReader:
-    """Open a checkpoint directory: detect (or take) its format, read and validate its
-    metadata (file names, existence, coverage), and return a reader."""
-    t0 = time.perf_counter()
-    root = os.path.realpath(os.fspath(path))
-    fmt = detect_format(root) if format is None else format
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+# What parsing a corrupt checkpoint can raise besides CheckpointError; open_checkpoint reports
+# each as a typed error (the fuzzer in tests-integration found all of these once).
+_PARSE_ERRORS = (OSError, ValueError, LookupError, TypeError, AttributeError, RecursionError, EOFError,
+                 RuntimeError, pickle.UnpicklingError, MemoryError)
+
+
+def _load_metadata(root: str, fmt: str) -> CheckpointMetadata:
     if fmt == "native":
         meta = load_native(root)
         files = [(c.file, n) for n, t in meta.tensors.items() for c in t.chunks]
         files += [(v.file, n) for n, v in meta.values.items() if v.file is not None]
         check_files(root, files)
-    elif fmt == "hf":
-        meta = load_hf(root, sharded=False)
-    elif fmt == "torch-dcp-hf":
-        meta = load_hf(root, sharded=True)
-    else:
-        meta = load_torch_dcp(root)
+        return meta
+    if fmt == "hf":
+        return load_hf(root, sharded=False)
+    if fmt == "torch-dcp-hf":
+        return load_hf(root, sharded=True)
+    return load_torch_dcp(root)
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
+                    max_open_files: int = 64) -> CheckpointReader:
+    """Open a checkpoint directory: detect (or take) its format, read and validate its
+    metadata (file names, existence, coverage), and return a reader. Every problem with the
+    checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments."""
+    t0 = time.perf_counter()
+    root = os.path.realpath(os.fspath(path))
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+    try:
+        fmt = detect_format(root) if format is None else format
+        meta = _load_metadata(root, fmt)
+    except CheckpointError:
+        raise
+    except _PARSE_ERRORS as e:
+        raise MetadataError(f"cannot read the checkpoint's metadata ({type(e).__name__}: {str(e)[:300]}); "
+                            "it is corrupt or unreadable: check its files or re-save it", path=root) from e
     reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files)
     logger.debug("opened %s (%s): %d tensors, %d values in %.3f s", root, fmt, len(meta.tensors),
                  len(meta.values), time.perf_counter() - t0)
