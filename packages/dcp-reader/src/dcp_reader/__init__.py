@@ -4,6 +4,7 @@ torch.distributed.checkpoint) with narrowed reads of saved chunks."""
 from ._detect import detect_format
 from ._errors import (
     CheckpointError,
+    ChecksumError,
     CoverageError,
     MetadataError,
     MissingFileError,
@@ -33,6 +34,7 @@ __all__ = [
     "NativeWriter",
     "chunk_key",
     "CheckpointError",
+    "ChecksumError",
     "MissingMetadataError",
     "MetadataError",
     "MissingFileError",

@@ -13,6 +13,9 @@ METADATA_FILE = "dcp-metadata.json"
 # files without METADATA_FILE is recognised as an unfinished native save.
 MARKER_KEY = "dcp_format"
 MARKER_VALUE = "native"
+# Also in that __metadata__: {chunk key: block checksum string} (see _checksum), moved into
+# the metadata by NativeWriter.commit.
+CHECKSUMS_KEY = "dcp_checksums"
 
 
 def chunk_key(name: str, offsets: tuple[int, ...] | list[int]) -> str:

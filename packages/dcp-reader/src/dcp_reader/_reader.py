@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ._checksum import BlockSums
 from ._detect import detect_format
 from ._dtypes import to_safetensors, torch_dtype_name
 from ._errors import (
@@ -53,13 +54,15 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str, metadata: CheckpointMetadata, *, allow_pickle: bool = False,
-                 max_open_files: int = 64):
+                 max_open_files: int = 64, verify_checksums: bool = True):
         if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
             raise ValueError(f"max_open_files must be an int >= 1, got {max_open_files!r}")
         self.path = path
         self.metadata = metadata
         self.format = metadata.format
         self.allow_pickle = bool(allow_pickle)
+        self.verify_checksums = bool(verify_checksums)
+        self._sums: dict[tuple[str, str], BlockSums] = {}
         self._max_open = max_open_files
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
@@ -100,16 +103,12 @@ class CheckpointReader:
         return f
 
     # -- tensors ---------------------------------------------------------------------------
-    def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
-             framework: str = "torch") -> Any:
-        """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
-        ``name``. May be a view of a memory map: copy it into place."""
+    def _box(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]
+             ) -> tuple[Any, tuple[slice, ...]]:
         t = self.metadata.tensors.get(name)
         if t is None:
             raise MissingKeyError(f"no tensor {name!r} in the checkpoint ({len(self.metadata.tensors)} "
                                   "tensors); check the name", path=self.path, key=name)
-        if framework not in FRAMEWORKS:
-            raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
         nd = len(t.shape)
         if len(offsets) != nd or len(sizes) != nd or len(chunk.offsets) != nd:
             raise ValueError(f"{name!r} has {nd} dims; got offsets={offsets} sizes={sizes} "
@@ -121,23 +120,67 @@ class CheckpointReader:
                 raise ValueError(f"box offsets={tuple(offsets)} sizes={tuple(sizes)} of {name!r} is not "
                                  f"inside the chunk offsets={chunk.offsets} sizes={chunk.sizes}")
             slices.append(slice(lo, lo + s))
-        sl = tuple(slices)
-        if self.format == "torch-dcp":
-            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+        return t, tuple(slices)
+
+    def _safetensors(self, name: str, dtype: str, chunk: ChunkMeta) -> tuple[Any, BlockSums | None]:
+        """The open file of a safetensors chunk (entry checked against the metadata) and its
+        parsed block checksums when they are to be verified."""
         f = self._open(chunk.file, chunk.key)
         e = f.entry(chunk.key)
-        if e.shape != chunk.sizes or e.code != to_safetensors(t.dtype):
+        if e.shape != chunk.sizes or e.code != to_safetensors(dtype):
             raise MetadataError(f"key {chunk.key!r} is {e.code} {list(e.shape)} in the file but the "
-                                f"metadata says {t.dtype} {list(chunk.sizes)}; the checkpoint is "
+                                f"metadata says {dtype} {list(chunk.sizes)}; the checkpoint is "
                                 "inconsistent: re-save it", path=f.path, key=chunk.key)
+        if not (self.verify_checksums and chunk.checksum is not None):
+            return f, None
+        sums = self._sums.get((chunk.file, chunk.key))
+        if sums is None:
+            sums = BlockSums.parse(chunk.checksum, e.end - e.start, path=f.path, key=chunk.key)
+            self._sums[(chunk.file, chunk.key)] = sums
+        return f, sums
+
+    def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             framework: str = "torch") -> Any:
+        """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
+        ``name``, in memory of its own (read with ``preadv``; possibly a strided view of a
+        slightly larger buffer). With ``verify_checksums`` the blocks it touches are checked
+        first (ChecksumError)."""
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+        t, sl = self._box(name, chunk, offsets, sizes)
+        if self.format == "torch-dcp":
+            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+        f, sums = self._safetensors(name, t.dtype, chunk)
         if framework == "torch":
-            out = f.torch_box(chunk.key, t.dtype, sl)
+            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name)
         else:
-            out = f.numpy_box(chunk.key, t.dtype, sl)
+            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name)
             if framework == "mindspore":
                 out = numpy_to_mindspore(out, t.dtype)
         self._bytes_read += math.prod(sizes) * t.itemsize
         return out
+
+    def read_into(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                  out: Any) -> None:
+        """Read the box into ``out``, a CPU torch tensor or numpy array of the box's shape and
+        of the tensor's item size. A box contiguous in the file read into a contiguous ``out``
+        goes straight there (one copy instead of two); anything else is ``read`` + copy.
+        On ChecksumError ``out`` may hold the bytes that failed verification."""
+        t, sl = self._box(name, chunk, offsets, sizes)
+        raw = _raw_bytes(out, tuple(sizes), t.itemsize)
+        if raw is not None and self.format != "torch-dcp":
+            f, sums = self._safetensors(name, t.dtype, chunk)
+            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name):
+                self._bytes_read += math.prod(sizes) * t.itemsize
+                return
+        framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
+        data = self.read(name, chunk, offsets, sizes, framework=framework)
+        if framework == "numpy":
+            import numpy as np
+
+            np.copyto(out.view(data.dtype) if out.dtype != data.dtype else out, data)
+        else:
+            out.copy_(data)
 
     def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
         if chunk.storage is None:
@@ -224,6 +267,26 @@ class CheckpointReader:
             raise _corrupt_blob(f.path, name, storage, e) from None
 
 
+def _raw_bytes(out: Any, sizes: tuple[int, ...], itemsize: int) -> Any:
+    """A writable uint8 numpy view of ``out``'s bytes when it is a contiguous CPU tensor or
+    array of ``sizes`` with ``itemsize``-byte items; None otherwise (then read + copy);
+    ValueError when its shape or item size does not match the box."""
+    shape = tuple(out.shape)
+    size = out.element_size() if hasattr(out, "element_size") else out.itemsize
+    if shape != sizes or size != itemsize:
+        raise ValueError(f"out has shape {shape} and {size}-byte items; the box needs {sizes} and "
+                         f"{itemsize}-byte items")
+    if type(out).__module__.startswith("torch"):
+        if out.device.type != "cpu" or not out.is_contiguous():
+            return None
+        import torch
+
+        return out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
+    if not (out.flags.c_contiguous and out.flags.writeable) or not out.size:
+        return None
+    return out.reshape(-1).view("uint8")
+
+
 def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseException) -> CheckpointError:
     return MetadataError(f"cannot load the torch.save payload of {name!r} at (offset, length) {storage} "
                          f"({type(e).__name__}: {str(e)[:300]}); the file is corrupt: re-copy or re-save it",
@@ -251,9 +314,10 @@ def _load_metadata(root: str, fmt: str) -> CheckpointMetadata:
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
-                    max_open_files: int = 64) -> CheckpointReader:
+                    max_open_files: int = 64, verify_checksums: bool = True) -> CheckpointReader:
     """Open a checkpoint directory: detect (or take) its format, read and validate its
-    metadata (file names, existence, coverage), and return a reader. Every problem with the
+    metadata (file names, existence, coverage), and return a reader. ``verify_checksums``:
+    check the block checksums (native format) of every block a read touches. Every problem with the
     checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments."""
     t0 = time.perf_counter()
     root = os.path.realpath(os.fspath(path))
@@ -267,7 +331,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
     except _PARSE_ERRORS as e:
         raise MetadataError(f"cannot read the checkpoint's metadata ({type(e).__name__}: {str(e)[:300]}); "
                             "it is corrupt or unreadable: check its files or re-save it", path=root) from e
-    reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files)
+    reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files,
+                              verify_checksums=verify_checksums)
     logger.debug("opened %s (%s): %d tensors, %d values in %.3f s", root, fmt, len(meta.tensors),
                  len(meta.values), time.perf_counter() - t0)
     return reader
