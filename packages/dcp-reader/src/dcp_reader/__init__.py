@@ -18,6 +18,7 @@ from ._errors import (
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ._native import METADATA_FILE, chunk_key
 from ._reader import CheckpointReader, open_checkpoint
+from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
 from ._writer import NativeWriter
 
@@ -30,6 +31,8 @@ __all__ = [
     "CheckpointMetadata",
     "CheckpointReader",
     "open_checkpoint",
+    "verify_checkpoint",
+    "VerifyReport",
     "detect_format",
     "NativeWriter",
     "chunk_key",
