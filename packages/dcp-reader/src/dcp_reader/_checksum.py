@@ -11,7 +11,7 @@ and a digest costs 17 bytes of metadata per 4 MiB (a 1 TB checkpoint: ~4 MB of d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ChecksumError, MetadataError
@@ -33,12 +33,15 @@ def block_digests(raw: Any, block: int = BLOCK_BYTES) -> str:
     return f"{ALGORITHM}/{block}:{sums}"
 
 
-@dataclass(frozen=True)
+@dataclass
 class BlockSums:
-    """A parsed checksum string of one chunk of ``nbytes`` bytes."""
+    """A parsed checksum string of one chunk of ``nbytes`` bytes, and the blocks verified so
+    far by the reader holding it (a block is verified once per reader, not once per read:
+    many small boxes of one large chunk would otherwise each read and hash 4 MiB)."""
 
     block: int
     digests: tuple[int, ...]
+    verified: set[int] = field(default_factory=set)
 
     @classmethod
     def parse(cls, text: str, nbytes: int, *, path: str, key: str | None) -> BlockSums:
@@ -67,6 +70,10 @@ class BlockSums:
         """The byte range [lo', hi') of whole blocks covering [lo, hi) in a chunk of ``nbytes``."""
         return lo - lo % self.block, min(nbytes, -(-hi // self.block) * self.block)
 
+    def done(self, lo: int, hi: int) -> bool:
+        """Whether every block touching [lo, hi) was verified already."""
+        return all(i in self.verified for i in range(lo // self.block, -(-hi // self.block)))
+
     def verify(self, buf: Any, start: int, *, path: str, key: str, name: str) -> None:
         """Check the whole blocks held in ``buf``, which holds the chunk's bytes from
         ``start`` (a block boundary); ChecksumError naming file, tensor, key and block."""
@@ -81,3 +88,4 @@ class BlockSums:
                     f"of key {key!r}) of tensor {name!r} has {ALGORITHM} {got:016x} but {self.digests[i]:016x} "
                     "was recorded when it was saved: the file is corrupt (storage or copy error). Re-copy "
                     "or re-save the checkpoint", path=path, key=name)
+            self.verified.add(i)
