@@ -28,6 +28,7 @@ from ._native import load_native
 from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
+from ._unpickle import memo_problem
 
 logger = logging.getLogger(__name__)
 
@@ -231,9 +232,9 @@ class CheckpointReader:
         d = self._pickles.get(v.file)
         if d is None:
             raw = read_regular(self.path, v.file, limit=METADATA_LIMIT, key=name)
-            d = pickle.loads(raw)  # opted in by the caller (allow_pickle=True)
+            d = _trusted_pickle(raw, os.path.join(self.path, v.file), name)
             self._pickles[v.file] = d
-        if v.key not in d:
+        if not isinstance(d, dict) or v.key not in d:
             raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
         return d[v.key]
 
@@ -265,6 +266,21 @@ class CheckpointReader:
             raise
         except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
             raise _corrupt_blob(f.path, name, storage, e) from None
+
+
+def _trusted_pickle(raw: bytes, path: str, name: str) -> Any:
+    """pickle.loads of a file the caller opted in to (allow_pickle=True); a corrupt one (its
+    memo indices checked first, as a flipped byte can make pickle allocate gigabytes) is a
+    MetadataError, whatever pickle raises."""
+    problem = memo_problem(raw)
+    if problem:
+        raise MetadataError(f"the pickled values cannot be read ({problem}); the file is corrupt",
+                            path=path, key=name)
+    try:
+        return pickle.loads(raw)  # opted in by the caller (allow_pickle=True)
+    except Exception as e:  # noqa: BLE001 - unpickling corrupt bytes raises nearly anything
+        raise MetadataError(f"the pickled values cannot be read ({type(e).__name__}: {str(e)[:200]}); the "
+                            "file is corrupt: re-save the checkpoint", path=path, key=name) from None
 
 
 def _raw_bytes(out: Any, sizes: tuple[int, ...], itemsize: int) -> Any:
