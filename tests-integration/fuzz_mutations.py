@@ -406,6 +406,9 @@ def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 10
             outcome = "changed-unprotected"  # no checksums in this format: counted only
         counts[outcome] += 1
         by_format[fmt][outcome] += 1
+        done = sum(counts.values())
+        if log and done % 500 == 0:
+            log(f"{done} mutants in {time.perf_counter() - t0:.0f} s: {dict(sorted(counts.items()))}")
         if outcome in FAILURES:
             failures.append((i, fmt, desc, outcome, detail))
             if log:
