@@ -151,3 +151,12 @@ def test_torch_dcp_corrupt_value_blob_is_typed(tmp_path):
         f.write(b"\x00" * info.length)
     with open_checkpoint(tmp_path) as r, pytest.raises(CheckpointError):
         r.read_value("step")
+
+
+def test_value_key_of_the_wrong_type_is_a_metadata_error(tmp_path):
+    # found by the fuzzer: a list as a pickled value's key raised TypeError (unhashable)
+    doc = _native_doc(tmp_path)
+    doc["values"] = {"obj": {"file": "values.pkl", "key": ["x"]}}
+    (tmp_path / "values.pkl").write_bytes(pickle.dumps({"obj": 1}))
+    (tmp_path / METADATA_FILE).write_text(json.dumps(doc))
+    assert isinstance(_typed(tmp_path, allow_pickle=True), MetadataError)

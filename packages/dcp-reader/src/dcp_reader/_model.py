@@ -142,6 +142,9 @@ class ValueMeta:
                                 key=self.name)
         elif self.value is not None:
             raise MetadataError(f"value {self.name!r} has both an inline value and a file", key=self.name)
+        elif self.key is not None and not isinstance(self.key, str):
+            raise MetadataError(f"value {self.name!r}: key must be a str or None, got {self.key!r:.80}",
+                                key=self.name)
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
             if len(storage) != 2:
