@@ -28,11 +28,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=200)
     ap.add_argument("--batch-timeout", type=float, default=300.0)
+    ap.add_argument("--only", type=int, nargs="*", help="run only these mutant indices (reproduce failures)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="dcp-fuzz-seeds-") as root:
         seeds = fm.build_seeds(root)
         result = fm.run_all(seeds, args.seed, args.count, batch=args.batch, batch_timeout=args.batch_timeout,
-                            workers=args.workers, log=lambda line: print(line, flush=True))
+                            workers=args.workers, log=lambda line: print(line, flush=True), only=args.only)
     print(f"seed {args.seed}, workers {args.workers}")
     print(fm.summary(result))
     for i, fmt, desc, outcome, detail in result["failures"]:

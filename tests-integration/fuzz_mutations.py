@@ -51,7 +51,7 @@ class Opaque:
         self.x = x
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Opaque) and other.x == self.x
+        return isinstance(other, Opaque) and getattr(other, "x", None) == self.x  # a mutant may lack x
 
 
 def _tensors() -> dict[str, Any]:
@@ -378,7 +378,10 @@ def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, 
             shutil.rmtree(d, ignore_errors=True)
             continue
         conn.send(("start", i, fmt, desc))
-        outcome, detail = run_one(fmt, d)
+        try:
+            outcome, detail = run_one(fmt, d)
+        except Exception as e:  # noqa: BLE001 - a bug in the engine's own checks: reported
+            outcome, detail = "engine", f"checking the outcome failed: {type(e).__name__}: {e}"
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if peak - base >= GiB:
             outcome, detail = "memory", f"peak RSS grew by {(peak - base) / GiB:.2f} GiB"
@@ -389,13 +392,14 @@ def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, 
 
 
 def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 100,
-            batch_timeout: float = 120.0, workers: int = 1, log: Any = None) -> dict[str, Any]:
-    """Run mutants 0..count-1; returns {"counts": Counter, "failures": [(i, fmt, desc, outcome,
+            batch_timeout: float = 120.0, workers: int = 1, log: Any = None,
+            only: list[int] | None = None) -> dict[str, Any]:
+    """Run mutants 0..count-1 (or the indices ``only``); returns {"counts": Counter, "failures": [(i, fmt, desc, outcome,
     detail)], "by_format": {fmt: Counter}, "seconds": float}."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "dcp_load", "dcp_reader", "safetensors.torch", __name__])
     t0 = time.perf_counter()
-    pending = list(range(count))
+    pending = list(range(count)) if only is None else list(only)
     counts: Counter[str] = Counter()
     by_format: dict[str, Counter[str]] = {f: Counter() for f in FORMATS}
     failures: list[tuple[Any, ...]] = []
