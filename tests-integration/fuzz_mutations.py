@@ -51,7 +51,7 @@ class Opaque:
         self.x = x
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Opaque) and getattr(other, "x", None) == self.x  # a mutant may lack x
+        return isinstance(other, Opaque) and getattr(other, "x", None) == getattr(self, "x", None)  # a mutant may lack x
 
 
 def _tensors() -> dict[str, Any]:
@@ -292,6 +292,8 @@ def _poisoned(want: dict[str, Any]) -> dict[str, Any]:
     for k, v in want.items():
         if isinstance(v, torch.Tensor):
             out[k] = torch.full_like(v, float("nan")) if v.is_floating_point() else torch.full_like(v, -123)
+        elif isinstance(v, dict):  # nested: saved flattened ("cfg.lr"), loaded back into place
+            out[k] = _poisoned(v)
         else:
             out[k] = "poison"
     return out
@@ -324,7 +326,7 @@ def run_one(fmt: str, d: str) -> tuple[str, str]:
 
     want = expected(fmt)
     targets = _poisoned(want)
-    poison = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in targets.items()}
+    poison = _poisoned(want)
     try:
         load(targets, checkpoint_id=d, no_dist=True, allow_pickle=fmt == "native-pickle")
     except (CheckpointError, LoadError) as e:

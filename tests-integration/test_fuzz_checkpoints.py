@@ -20,6 +20,8 @@ SEED = int(os.environ.get("DCP_FUZZ_SEED", "20261201"))
 
 def test_fuzz_checkpoints(tmp_path):
     seeds = fm.build_seeds(str(tmp_path))
+    for fmt in fm.FORMATS:  # unmutated, every seed loads exactly
+        assert fm.run_one(fmt, seeds[fmt]) == ("same", ""), fmt
     result = fm.run_all(seeds, SEED, COUNT, batch=100, batch_timeout=120, workers=1)
     print(fm.summary(result))
     assert sum(result["counts"].values()) == COUNT
