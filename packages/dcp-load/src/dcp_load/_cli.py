@@ -1,4 +1,4 @@
-"""The ``dcp`` command: ``dcp inspect PATH`` and ``dcp demo``."""
+"""The ``dcp`` command: ``dcp inspect PATH``, ``dcp verify PATH`` and ``dcp demo``."""
 
 from __future__ import annotations
 
@@ -63,8 +63,29 @@ def _shown_value(reader, name: str, allow_pickle: bool, limit: int = 60) -> str:
     return shown if len(shown) <= limit else shown[:limit - 3] + "..."
 
 
+def verify(path: str, *, out=None) -> int:
+    """Check a whole checkpoint (structure, sizes, coverage, block checksums): exit status 0
+    when it is good, 1 when problems were found (one line each), 2 when it cannot be read."""
+    from dcp_reader import CheckpointError, verify_checkpoint
+
+    out = out or sys.stdout
+    try:
+        report = verify_checkpoint(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"dcp verify: unreadable: {exc}", file=sys.stderr)
+        return 2
+    for problem in report.problems:
+        print(f"PROBLEM {problem}", file=out)
+    checked = (f"{report.chunks_with_checksums} with checksums, {_human(report.bytes_verified)} verified"
+               if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
+    status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"{report.path}: {status}: format {report.format}, {report.tensors} tensors, {report.chunks} chunks "
+          f"({checked}) in {report.seconds:.2f} s", file=out)
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp", description="Inspect distributed checkpoints; run the demo.")
+    parser = argparse.ArgumentParser(prog="dcp", description="Inspect and verify distributed checkpoints; run the demo.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
     p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors, torch DCP or "
@@ -77,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._plan_cli import add_parser as add_plan
 
     add_plan(sub)
+    v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage and block checksums "
+                                      "(exit 0 ok, 1 problems found, 2 unreadable)")
+    v.add_argument("path", help="checkpoint directory")
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
@@ -84,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             code = inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
+        elif args.command == "verify":
+            code = verify(args.path)
         elif args.command == "plan":
             from ._plan_cli import run as plan_run
 

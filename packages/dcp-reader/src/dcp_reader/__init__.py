@@ -4,6 +4,7 @@ torch.distributed.checkpoint, hyper-parallel) with narrowed reads of saved chunk
 from ._detect import detect_format
 from ._errors import (
     CheckpointError,
+    ChecksumError,
     CoverageError,
     MetadataError,
     MissingFileError,
@@ -18,6 +19,7 @@ from ._hyper import is_rank_local
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ._native import METADATA_FILE, chunk_key
 from ._reader import CheckpointReader, open_checkpoint
+from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
 from ._writer import NativeWriter
 
@@ -30,11 +32,14 @@ __all__ = [
     "CheckpointMetadata",
     "CheckpointReader",
     "open_checkpoint",
+    "verify_checkpoint",
+    "VerifyReport",
     "detect_format",
     "is_rank_local",
     "NativeWriter",
     "chunk_key",
     "CheckpointError",
+    "ChecksumError",
     "MissingMetadataError",
     "MetadataError",
     "MissingFileError",

@@ -35,7 +35,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         first = SINGLE_FILE if SINGLE_FILE in names else (st[0] if st else None)
         if first is None:  # only an index: let the hf reader report the missing shards
             return "hf"
-        meta = read_header_at(os.path.join(root, first), first).metadata or {}
+        meta = read_header_at(root, first).metadata or {}
         if meta.get(MARKER_KEY) == MARKER_VALUE:
             raise MissingMetadataError(
                 f"{NATIVE_METADATA} is missing next to native data files ({first!r}, ...): an incomplete "

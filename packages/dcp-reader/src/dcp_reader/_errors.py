@@ -81,6 +81,10 @@ class UnsafePickleError(CheckpointError):
     """A pickle would have to be loaded (or holds something not allowed) without opt-in."""
 
 
+class ChecksumError(CheckpointError):
+    """Stored bytes do not match the checksum recorded for their block when they were saved."""
+
+
 def summarise(items: Sequence[str], limit: int = 10) -> str:
     """``a; b; c`` with at most ``limit`` items and a count of the rest."""
     shown = "; ".join(items[:limit])

@@ -4,7 +4,6 @@ file's safetensors metadata: the offsets of the chunk each key holds)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from ._dtypes import from_safetensors
@@ -16,32 +15,31 @@ from ._errors import (
     UnknownDtypeError,
     summarise,
 )
+from ._json import load_json
 from ._model import CheckpointMetadata, ChunkMeta, TensorMeta
-from ._paths import check_files, resolve
+from ._paths import check_files, read_regular
 from ._safetensors_file import Header, read_header_at
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 SHARDING_KEY = "DCP_SHARDING_INFO"
+# Real indexes are ~100 bytes per tensor (a 10,000-tensor model: ~1 MB).
+INDEX_LIMIT = 64 * 1024 * 1024
 
 
 def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
     """The data files of an HF-style checkpoint, and the index's weight map if any."""
     index = os.path.join(root_real, INDEX_FILE)
-    if os.path.exists(index):
-        try:
-            with open(index, "rb") as f:
-                doc = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MetadataError(f"invalid JSON ({e}); the index is corrupt: re-save or re-download it",
-                                path=index) from None
+    if os.path.lexists(index):  # lexists: a dangling link or a directory is reported, not skipped
+        doc = load_json(read_regular(root_real, INDEX_FILE, limit=INDEX_LIMIT, key=INDEX_FILE), index,
+                        "the index is corrupt: re-save or re-download it")
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise MetadataError("'weight_map' is missing or not a {tensor name: file name} object; the "
                                 "index is corrupt: re-save or re-download it", path=index, key="weight_map")
         check_files(root_real, [(f, k) for k, f in wm.items()])
         return sorted(set(wm.values())), wm
-    if os.path.exists(os.path.join(root_real, SINGLE_FILE)):
+    if os.path.lexists(os.path.join(root_real, SINGLE_FILE)):
         return [SINGLE_FILE], None
     files = sorted(e.name for e in os.scandir(root_real)
                    if e.name.endswith(".safetensors") and not e.name.startswith("."))
@@ -56,10 +54,10 @@ def sharding_info(header: Header, path: str) -> dict[str, list[int]] | None:
     raw = (header.metadata or {}).get(SHARDING_KEY)
     if raw is None:
         return None
+    info = load_json(raw, path, f"{SHARDING_KEY} in the safetensors metadata is malformed: re-save it")
     try:
-        info = json.loads(raw)
         return {k: list(v["saved_offsets"]) for k, v in info.items()}
-    except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+    except (TypeError, KeyError, AttributeError) as e:
         raise MetadataError(f"{SHARDING_KEY} in the safetensors metadata is malformed ({e}); the file is "
                             "corrupt: re-save it", path=path, key=SHARDING_KEY) from None
 
@@ -76,8 +74,8 @@ def load_hf(root_real: str, *, sharded: bool) -> CheckpointMetadata:
     dtypes: dict[str, tuple[str, str]] = {}
     problems: list[CheckpointError] = []
     for f in files:
-        real = resolve(root_real, f)
-        header = read_header_at(real, f)
+        header = read_header_at(root_real, f)
+        real = os.path.join(root_real, f)
         info = sharding_info(header, real) if sharded else None
         keys = wanted[f] if wanted is not None else list(header.entries)
         for key in keys:

@@ -13,6 +13,7 @@ from typing import Any
 from ._coverage import coverage_problems
 from ._dtypes import is_dtype_name, itemsize
 from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
+from ._json import load_json
 from ._values import decode_value, encode_value, is_storable_value
 
 SCHEMA_VERSION = 1
@@ -142,6 +143,9 @@ class ValueMeta:
                                 key=self.name)
         elif self.value is not None:
             raise MetadataError(f"value {self.name!r} has both an inline value and a file", key=self.name)
+        elif self.key is not None and not isinstance(self.key, str):
+            raise MetadataError(f"value {self.name!r}: key must be a str or None, got {self.key!r:.80}",
+                                key=self.name)
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
             if len(storage) != 2:
@@ -226,11 +230,7 @@ class CheckpointMetadata:
     @classmethod
     def from_json(cls, text: str | bytes) -> CheckpointMetadata:
         """Parse and validate; MetadataError (no path: the caller adds it) on any problem."""
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise MetadataError(f"invalid JSON ({e}); the metadata file is corrupt or was not "
-                                "written by dcp-reader") from None
+        doc = load_json(text, None, "the metadata file is corrupt or was not written by dcp-reader")
         if not isinstance(doc, dict):
             raise MetadataError(f"metadata must be a JSON object, got {type(doc).__name__}")
         version = doc.get("schema_version")
@@ -251,7 +251,9 @@ class CheckpointMetadata:
             for name, v in _obj(doc, "values").items():
                 values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
                                          key=v.get("key"), storage=v.get("storage"))
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
+        except RecursionError:
+            raise MetadataError("a value in the metadata is nested too deeply; the file is corrupt") from None
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
                                 "corrupt or from an incompatible writer") from None
         return cls(tensors=tensors, values=values, format=doc.get("format", "native"),

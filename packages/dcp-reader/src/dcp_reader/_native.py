@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 
-from ._errors import CheckpointError, MissingMetadataError
+from ._errors import CheckpointError, MissingFileError, MissingMetadataError
 from ._model import CheckpointMetadata
+from ._paths import METADATA_LIMIT, read_regular
 
 METADATA_FILE = "dcp-metadata.json"
 # Written into every native data file's safetensors __metadata__, so a directory of data
 # files without METADATA_FILE is recognised as an unfinished native save.
 MARKER_KEY = "dcp_format"
 MARKER_VALUE = "native"
+# Also in that __metadata__: {chunk key: block checksum string} (see _checksum), moved into
+# the metadata by NativeWriter.commit.
+CHECKSUMS_KEY = "dcp_checksums"
 
 
 def chunk_key(name: str, offsets: tuple[int, ...] | list[int]) -> str:
@@ -23,9 +27,8 @@ def chunk_key(name: str, offsets: tuple[int, ...] | list[int]) -> str:
 def load_native(root_real: str) -> CheckpointMetadata:
     path = os.path.join(root_real, METADATA_FILE)
     try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
+        text = read_regular(root_real, METADATA_FILE, limit=METADATA_LIMIT, key=METADATA_FILE)
+    except MissingFileError:
         raise MissingMetadataError(
             f"{METADATA_FILE} is missing: this is an incomplete native checkpoint (the save did not "
             "finish: rank 0 writes the metadata last). Re-run the save", path=root_real,

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from collections.abc import Iterable
 
-from ._errors import MissingFileError, UnsafePathError, summarise
+from ._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
+
+# O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (a hang); on a
+# regular file it changes nothing. O_NOFOLLOW: the path is already resolved, so a symlink
+# in its last component means it was swapped in after the check.
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_NOFOLLOW", 0))
+
+
+# A larger metadata or index file is refused before it is read: ~200 bytes per chunk in
+# either metadata format, so this holds ~2.5 million chunks (10,000 tensors saved by 250 ranks).
+METADATA_LIMIT = 512 * 1024 * 1024
 
 
 def _lexical_problem(name: object) -> str | None:
@@ -45,6 +57,68 @@ def resolve(root_real: str, name: str, *, key: str | None = None) -> str:
     return real
 
 
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _not_regular(path: str, mode: int, key: str | None) -> UnsafePathError:
+    return UnsafePathError(f"{path!r} (for {key!r}) is {_kind(mode)}, not a regular file; refusing to open "
+                           "it (a FIFO would hang the read, a device or directory is no checkpoint data). "
+                           "Replace it with the real file", path=path, key=key)
+
+
+def open_regular(root_real: str, name: str, *, key: str | None = None) -> int:
+    """A read-only fd of ``name`` inside ``root_real``, refused (UnsafePathError) unless it is
+    a regular file resolving inside the directory; checked with ``stat`` BEFORE opening (a
+    FIFO or device is never opened) and again on the fd. MissingFileError when absent."""
+    real = resolve(root_real, name, key=key)
+    try:
+        st = os.stat(real)
+    except (FileNotFoundError, NotADirectoryError):
+        raise MissingFileError(f"file {name!r} (for {key!r}) does not exist; the checkpoint is incomplete: "
+                               "copy the missing file or re-save", path=real, key=key) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(real, st.st_mode, key)
+    try:
+        fd = os.open(real, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise MissingFileError(f"file {name!r} (for {key!r}) vanished while opening it", path=real,
+                               key=key) from None
+    except OSError as e:  # ELOOP: swapped for a symlink after the check; EACCES; ...
+        raise UnsafePathError(f"cannot open {name!r} (for {key!r}): {e}", path=real, key=key) from None
+    st2 = os.fstat(fd)
+    if not stat.S_ISREG(st2.st_mode) or (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise UnsafePathError(f"{name!r} (for {key!r}) changed while opening it (now {_kind(st2.st_mode)}); "
+                              "refusing it", path=real, key=key)
+    return fd
+
+
+def read_regular(root_real: str, name: str, *, limit: int, key: str | None = None) -> bytes:
+    """The whole content of a small file (metadata, index) opened with ``open_regular``;
+    refused (UnsafePathError) when larger than ``limit`` bytes, so a
+    corrupt or hostile file never makes the reader allocate more than that."""
+    fd = open_regular(root_real, name, key=key)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise UnsafePathError(f"{name!r} is {size} bytes, more than the {limit} bytes a metadata or "
+                                  "index file may have here; the file is corrupt or not a checkpoint "
+                                  "file", path=os.path.join(root_real, name), key=key)
+        data = os.pread(fd, size, 0) if size else b""
+        if len(data) != size:
+            raise TruncatedFileError(f"read {len(data)} of {name!r}'s {size} bytes (it shrank while being "
+                                     "read); retry once the copy or save is finished",
+                                     path=os.path.join(root_real, name), key=key)
+        return data
+    finally:
+        os.close(fd)
+
+
 def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None:
     """Check many (file name, key) pairs at once, collecting every offender: unsafe names
     (UnsafePathError), then missing files (MissingFileError), then symlinks out. Costs one
@@ -65,6 +139,7 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
         by_dir.setdefault(posixpath.dirname(n), []).append(n)
     missing: list[str] = []
     links: list[str] = []
+    odd: list[str] = []
     for d, files in by_dir.items():
         try:
             with os.scandir(os.path.join(root_real, d)) as it:
@@ -77,6 +152,8 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
                 missing.append(n)
             elif e.is_symlink() or d:  # a directory on the way may itself be a link
                 links.append(n)
+            elif not e.is_file(follow_symlinks=False):
+                odd.append(n)
     if missing:
         raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist: "
                                f"{summarise(missing)}. The checkpoint is incomplete (copy interrupted, "
@@ -85,9 +162,23 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
     outside = []
     for n in links:
         try:
-            resolve(root_real, n, key=by_name.get(n))
+            real = resolve(root_real, n, key=by_name.get(n))
         except UnsafePathError as e:
             outside.append(e)
+            continue
+        try:
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                odd.append(n)
+        except OSError:
+            missing.append(n)
+    if missing:
+        raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist (dangling "
+                               f"links): {summarise(missing)}; copy the missing files or re-save",
+                               path=root_real, key=by_name.get(missing[0]), offenders=missing)
+    if odd:
+        raise UnsafePathError(f"{len(odd)} file(s) named in the metadata are not regular files (a directory, "
+                              f"FIFO or device): {summarise(odd)}; refusing to open them. Replace them with "
+                              "the real data files", path=root_real, key=by_name.get(odd[0]), offenders=odd)
     if outside:
         raise UnsafePathError(f"{len(outside)} file(s) resolve outside the checkpoint directory: "
                               f"{summarise([e.message for e in outside])}", path=root_real,

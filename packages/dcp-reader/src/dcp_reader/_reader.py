@@ -11,11 +11,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ._checksum import BlockSums
 from ._detect import detect_format
 from ._dtypes import to_safetensors, torch_dtype_name
 from ._errors import (
+    CheckpointError,
     MetadataError,
-    MissingFileError,
     MissingKeyError,
     TruncatedFileError,
     UnsafePickleError,
@@ -26,9 +27,10 @@ from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import load_hyper, read_pickled_value
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
 from ._native import load_native
-from ._paths import check_files, resolve
+from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular, resolve
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
+from ._unpickle import memo_problem
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +38,15 @@ logger = logging.getLogger(__name__)
 class _RawFile:
     """An open .distcp file and its size (taken once, at open)."""
 
-    def __init__(self, real: str):
-        try:
-            self.f = open(real, "rb")
-        except FileNotFoundError:
-            raise MissingFileError("the data file does not exist; the checkpoint is incomplete: copy "
-                                   "the missing file or re-save", path=real) from None
-        self.path = real
-        self.size = os.fstat(self.f.fileno()).st_size
+    def __init__(self, root_real: str, name: str, key: str | None):
+        self.fd = open_regular(root_real, name, key=key)
+        self.path = os.path.join(root_real, name)
+        self.size = os.fstat(self.fd).st_size
 
     def close(self) -> None:
-        self.f.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class CheckpointReader:
@@ -58,13 +58,15 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str, metadata: CheckpointMetadata, *, allow_pickle: bool = False,
-                 max_open_files: int = 64):
+                 max_open_files: int = 64, verify_checksums: bool = True):
         if isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
             raise ValueError(f"max_open_files must be an int >= 1, got {max_open_files!r}")
         self.path = path
         self.metadata = metadata
         self.format = metadata.format
         self.allow_pickle = bool(allow_pickle)
+        self.verify_checksums = bool(verify_checksums)
+        self._sums: dict[tuple[str, str], BlockSums] = {}
         self._max_open = max_open_files
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
@@ -97,8 +99,7 @@ class CheckpointReader:
         if f is not None:
             self._files.move_to_end(name)
             return f
-        real = resolve(self.path, name, key=key)
-        f = _RawFile(real) if self.format == "torch-dcp" else SafetensorsFile(real)
+        f = _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
         self._files[name] = f
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)
@@ -106,16 +107,12 @@ class CheckpointReader:
         return f
 
     # -- tensors ---------------------------------------------------------------------------
-    def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
-             framework: str = "torch") -> Any:
-        """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
-        ``name``. May be a view of a memory map: copy it into place."""
+    def _box(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]
+             ) -> tuple[Any, tuple[slice, ...]]:
         t = self.metadata.tensors.get(name)
         if t is None:
             raise MissingKeyError(f"no tensor {name!r} in the checkpoint ({len(self.metadata.tensors)} "
                                   "tensors); check the name", path=self.path, key=name)
-        if framework not in FRAMEWORKS:
-            raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
         nd = len(t.shape)
         if len(offsets) != nd or len(sizes) != nd or len(chunk.offsets) != nd:
             raise ValueError(f"{name!r} has {nd} dims; got offsets={offsets} sizes={sizes} "
@@ -127,23 +124,67 @@ class CheckpointReader:
                 raise ValueError(f"box offsets={tuple(offsets)} sizes={tuple(sizes)} of {name!r} is not "
                                  f"inside the chunk offsets={chunk.offsets} sizes={chunk.sizes}")
             slices.append(slice(lo, lo + s))
-        sl = tuple(slices)
-        if self.format == "torch-dcp":
-            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+        return t, tuple(slices)
+
+    def _safetensors(self, name: str, dtype: str, chunk: ChunkMeta) -> tuple[Any, BlockSums | None]:
+        """The open file of a safetensors chunk (entry checked against the metadata) and its
+        parsed block checksums when they are to be verified."""
         f = self._open(chunk.file, chunk.key)
         e = f.entry(chunk.key)
-        if e.shape != chunk.sizes or e.code != to_safetensors(t.dtype):
+        if e.shape != chunk.sizes or e.code != to_safetensors(dtype):
             raise MetadataError(f"key {chunk.key!r} is {e.code} {list(e.shape)} in the file but the "
-                                f"metadata says {t.dtype} {list(chunk.sizes)}; the checkpoint is "
+                                f"metadata says {dtype} {list(chunk.sizes)}; the checkpoint is "
                                 "inconsistent: re-save it", path=f.path, key=chunk.key)
+        if not (self.verify_checksums and chunk.checksum is not None):
+            return f, None
+        sums = self._sums.get((chunk.file, chunk.key))
+        if sums is None:
+            sums = BlockSums.parse(chunk.checksum, e.end - e.start, path=f.path, key=chunk.key)
+            self._sums[(chunk.file, chunk.key)] = sums
+        return f, sums
+
+    def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+             framework: str = "torch") -> Any:
+        """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
+        ``name``, in memory of its own (read with ``preadv``; possibly a strided view of a
+        slightly larger buffer). With ``verify_checksums`` the blocks it touches are checked
+        first (ChecksumError)."""
+        if framework not in FRAMEWORKS:
+            raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
+        t, sl = self._box(name, chunk, offsets, sizes)
+        if self.format == "torch-dcp":
+            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+        f, sums = self._safetensors(name, t.dtype, chunk)
         if framework == "torch":
-            out = f.torch_box(chunk.key, t.dtype, sl)
+            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name)
         else:
-            out = f.numpy_box(chunk.key, t.dtype, sl)
+            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name)
             if framework == "mindspore":
                 out = numpy_to_mindspore(out, t.dtype)
         self._bytes_read += math.prod(sizes) * t.itemsize
         return out
+
+    def read_into(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                  out: Any) -> None:
+        """Read the box into ``out``, a CPU torch tensor or numpy array of the box's shape and
+        of the tensor's item size. A box contiguous in the file read into a contiguous ``out``
+        goes straight there (one copy instead of two); anything else is ``read`` + copy.
+        On ChecksumError ``out`` may hold the bytes that failed verification."""
+        t, sl = self._box(name, chunk, offsets, sizes)
+        raw = _raw_bytes(out, tuple(sizes), t.itemsize)
+        if raw is not None and self.format != "torch-dcp":
+            f, sums = self._safetensors(name, t.dtype, chunk)
+            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name):
+                self._bytes_read += math.prod(sizes) * t.itemsize
+                return
+        framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
+        data = self.read(name, chunk, offsets, sizes, framework=framework)
+        if framework == "numpy":
+            import numpy as np
+
+            np.copyto(out.view(data.dtype) if out.dtype != data.dtype else out, data)
+        else:
+            out.copy_(data)
 
     def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
         if chunk.storage is None:
@@ -157,12 +198,13 @@ class CheckpointReader:
                 raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
                                          f"has {f.size} bytes; the file is truncated: re-copy it",
                                          path=f.path, key=name)
-            try:
-                tensor = load_blob(f.f, chunk.storage)
-            except Exception as e:  # torch.load's errors vary by version; report them typed
-                raise MetadataError(f"cannot load the payload of {name!r} at {chunk.storage} "
-                                    f"({type(e).__name__}: {e}); the file is corrupt", path=f.path,
-                                    key=name) from None
+            tensor = self._blob_of(f, name, chunk.storage, weights_only=True)
+            import torch
+
+            if not isinstance(tensor, torch.Tensor):
+                raise MetadataError(f"the payload of {name!r} at {chunk.storage} holds a "
+                                    f"{type(tensor).__name__}, not a tensor; the metadata and the file "
+                                    "disagree: re-save the checkpoint", path=f.path, key=name)
             if tuple(tensor.shape) != chunk.sizes or torch_dtype_name(tensor.dtype) != dtype:
                 raise MetadataError(f"payload of {name!r} is {tensor.dtype} {list(tensor.shape)} but the "
                                     f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
@@ -194,11 +236,10 @@ class CheckpointReader:
             return read_pickled_value(resolve(self.path, v.file, key=name), v.storage, name)
         d = self._pickles.get(v.file)
         if d is None:
-            real = resolve(self.path, v.file, key=name)
-            with open(real, "rb") as f:
-                d = pickle.load(f)  # opted in by the caller (allow_pickle=True)
+            raw = read_regular(self.path, v.file, limit=METADATA_LIMIT, key=name)
+            d = _trusted_pickle(raw, os.path.join(self.path, v.file), name)
             self._pickles[v.file] = d
-        if v.key not in d:
+        if not isinstance(d, dict) or v.key not in d:
             raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
         return d[v.key]
 
@@ -210,41 +251,115 @@ class CheckpointReader:
             raise TruncatedFileError(f"{name!r} is stored at bytes [{storage[0]}, {sum(storage)}) but the "
                                      f"file has {f.size} bytes; re-copy it", path=f.path, key=name)
         try:
-            return load_blob(f.f, storage, weights_only=True)
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True)
         except pickle.UnpicklingError as e:
             if not self.allow_pickle:
                 raise UnsafePickleError(f"value {name!r} holds objects torch.load(weights_only=True) refuses "
-                                        f"({e}); pass allow_pickle=True only if you trust the checkpoint",
-                                        path=f.path, key=name) from None
-        return load_blob(f.f, storage, weights_only=False)  # opted in by the caller
+                                        f"({str(e)[:300]}); pass allow_pickle=True only if you trust the "
+                                        "checkpoint", path=f.path, key=name) from None
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
+            raise _corrupt_blob(f.path, name, storage, e) from None
+        return self._blob_of(f, name, storage, weights_only=False)  # opted in by the caller
+
+    @staticmethod
+    def _blob_of(f: _RawFile, name: str, storage: tuple[int, int], *, weights_only: bool) -> Any:
+        try:
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=weights_only)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
+            raise _corrupt_blob(f.path, name, storage, e) from None
 
 
-def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
-                    max_open_files: int = 64, rank: int | None = None) -> CheckpointReader:
-    """Open a checkpoint directory: detect (or take) its format, read and validate its
-    metadata (file names, existence, coverage), and return a reader.
+def _trusted_pickle(raw: bytes, path: str, name: str) -> Any:
+    """pickle.loads of a file the caller opted in to (allow_pickle=True); a corrupt one (its
+    memo indices checked first, as a flipped byte can make pickle allocate gigabytes) is a
+    MetadataError, whatever pickle raises."""
+    problem = memo_problem(raw)
+    if problem:
+        raise MetadataError(f"the pickled values cannot be read ({problem}); the file is corrupt",
+                            path=path, key=name)
+    try:
+        return pickle.loads(raw)  # opted in by the caller (allow_pickle=True)
+    except Exception as e:  # noqa: BLE001 - unpickling corrupt bytes raises nearly anything
+        raise MetadataError(f"the pickled values cannot be read ({type(e).__name__}: {str(e)[:200]}); the "
+                            "file is corrupt: re-save the checkpoint", path=path, key=name) from None
 
-    ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
-    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
-    t0 = time.perf_counter()
-    root = os.path.realpath(os.fspath(path))
-    fmt = detect_format(root) if format is None else format
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+
+def _raw_bytes(out: Any, sizes: tuple[int, ...], itemsize: int) -> Any:
+    """A writable uint8 numpy view of ``out``'s bytes when it is a contiguous CPU tensor or
+    array of ``sizes`` with ``itemsize``-byte items; None otherwise (then read + copy);
+    ValueError when its shape or item size does not match the box."""
+    shape = tuple(out.shape)
+    size = out.element_size() if hasattr(out, "element_size") else out.itemsize
+    if shape != sizes or size != itemsize:
+        raise ValueError(f"out has shape {shape} and {size}-byte items; the box needs {sizes} and "
+                         f"{itemsize}-byte items")
+    if type(out).__module__.startswith("torch"):
+        if out.device.type != "cpu" or not out.is_contiguous():
+            return None
+        import torch
+
+        return out.reshape(-1).view(torch.uint8).numpy() if out.numel() else None
+    if not (out.flags.c_contiguous and out.flags.writeable) or not out.size:
+        return None
+    return out.reshape(-1).view("uint8")
+
+
+def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseException) -> CheckpointError:
+    return MetadataError(f"cannot load the torch.save payload of {name!r} at (offset, length) {storage} "
+                         f"({type(e).__name__}: {str(e)[:300]}); the file is corrupt: re-copy or re-save it",
+                         path=path, key=name)
+
+
+# What parsing a corrupt checkpoint can raise besides CheckpointError; open_checkpoint reports
+# each as a typed error (the fuzzer in tests-integration found all of these once).
+_PARSE_ERRORS = (OSError, ValueError, LookupError, TypeError, AttributeError, RecursionError, EOFError,
+                 RuntimeError, pickle.UnpicklingError, MemoryError)
+
+
+def _load_metadata(root: str, fmt: str, rank: int | None) -> CheckpointMetadata:
     if fmt == "native":
         meta = load_native(root)
         files = [(c.file, n) for n, t in meta.tensors.items() for c in t.chunks]
         files += [(v.file, n) for n, v in meta.values.items() if v.file is not None]
         check_files(root, files)
-    elif fmt == "hf":
-        meta = load_hf(root, sharded=False)
-    elif fmt == "torch-dcp-hf":
-        meta = load_hf(root, sharded=True)
-    elif fmt == HYPER_FORMAT:
-        meta = load_hyper(root, rank=rank)
-    else:
-        meta = load_torch_dcp(root)
-    reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files)
+        return meta
+    if fmt == "hf":
+        return load_hf(root, sharded=False)
+    if fmt == "torch-dcp-hf":
+        return load_hf(root, sharded=True)
+    if fmt == HYPER_FORMAT:
+        return load_hyper(root, rank=rank)
+    return load_torch_dcp(root)
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
+                    max_open_files: int = 64, verify_checksums: bool = True,
+                    rank: int | None = None) -> CheckpointReader:
+    """Open a checkpoint directory: detect (or take) its format, read and validate its
+    metadata (file names, existence, coverage), and return a reader. ``verify_checksums``:
+    check the block checksums (native format) of every block a read touches. Every problem with the
+    checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments.
+
+    ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
+    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
+    t0 = time.perf_counter()
+    root = os.path.realpath(os.fspath(path))
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+    try:
+        fmt = detect_format(root) if format is None else format
+        meta = _load_metadata(root, fmt, rank)
+    except CheckpointError:
+        raise
+    except _PARSE_ERRORS as e:
+        raise MetadataError(f"cannot read the checkpoint's metadata ({type(e).__name__}: {str(e)[:300]}); "
+                            "it is corrupt or unreadable: check its files or re-save it", path=root) from e
+    reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files,
+                              verify_checksums=verify_checksums)
     logger.debug("opened %s (%s): %d tensors, %d values in %.3f s", root, fmt, len(meta.tensors),
                  len(meta.values), time.perf_counter() - t0)
     return reader

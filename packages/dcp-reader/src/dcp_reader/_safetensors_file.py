@@ -1,19 +1,21 @@
 """One open safetensors file: its header, parsed and checked against the file size once
-when the file is opened, and reads of a box of one key as a view of a private memory map
-cut with the header's byte offsets (numpy; torch through ``torch.from_numpy``)."""
+when the file is opened, and reads of a box of one key with ``preadv`` into memory the
+reader owns, cut with the header's byte offsets (numpy; torch through ``torch.from_numpy``)."""
 
 from __future__ import annotations
 
-import json
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ._checksum import BlockSums
 from ._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
-from ._errors import MetadataError, MissingFileError, MissingKeyError, TruncatedFileError, summarise
+from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
+from ._json import load_json
+from ._paths import open_regular
+from ._pread import pread_into
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)
 
@@ -46,10 +48,10 @@ def read_header(fd: int, file_size: int, name: str) -> Header:
         raise TruncatedFileError(f"header length {n} runs past the end of the {file_size}-byte file; "
                                  "the file is truncated or not safetensors: re-copy it", path=name)
     raw = os.pread(fd, n, 8)
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MetadataError(f"invalid safetensors header JSON ({e}); the file is corrupt", path=name) from None
+    if len(raw) != n:
+        raise TruncatedFileError(f"read {len(raw)} of the {n}-byte header; the file shrank while being read",
+                                 path=name)
+    doc = load_json(raw, name, "the safetensors header is corrupt: re-copy or re-save the file")
     if not isinstance(doc, dict):
         raise MetadataError("safetensors header is not a JSON object; the file is corrupt", path=name)
     meta = doc.pop("__metadata__", None)
@@ -96,15 +98,12 @@ def read_header(fd: int, file_size: int, name: str) -> Header:
     return Header(entries, meta, data_start, file_size)
 
 
-def read_header_at(path: str, name: str) -> Header:
-    """Open, parse the header of, and close a file (metadata discovery for hf formats)."""
+def read_header_at(root_real: str, name: str) -> Header:
+    """Open (a regular file inside ``root_real`` only), parse the header of, and close a
+    file (metadata discovery for hf formats)."""
+    fd = open_regular(root_real, name)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise MissingFileError(f"file {name!r} does not exist; the checkpoint is incomplete",
-                               path=path) from None
-    try:
-        return read_header(fd, os.fstat(fd).st_size, path)
+        return read_header(fd, os.fstat(fd).st_size, os.path.join(root_real, name))
     finally:
         os.close(fd)
 
@@ -112,19 +111,14 @@ def read_header_at(path: str, name: str) -> Header:
 class SafetensorsFile:
     """An open safetensors data file (held in the reader's LRU)."""
 
-    def __init__(self, real_path: str):
-        self.path = real_path
+    def __init__(self, root_real: str, name: str, key: str | None = None):
+        self.path = os.path.join(root_real, name)
+        self._fd = open_regular(root_real, name, key=key)
         try:
-            self._fd = os.open(real_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise MissingFileError("the data file does not exist; the checkpoint is incomplete: copy "
-                                   "the missing file or re-save", path=real_path) from None
-        try:
-            self.header = read_header(self._fd, os.fstat(self._fd).st_size, real_path)
+            self.header = read_header(self._fd, os.fstat(self._fd).st_size, self.path)
         except BaseException:
             os.close(self._fd)
             raise
-        self._mm: mmap.mmap | None = None
 
     def entry(self, key: str) -> Entry:
         try:
@@ -134,70 +128,132 @@ class SafetensorsFile:
                                   f"{len(self.header.entries)} keys); the checkpoint's metadata and "
                                   "data files do not match: re-save it", path=self.path, key=key) from None
 
-    def array_box(self, key: str, np_dtype: Any, slices: tuple[slice, ...]) -> Any:
-        """A numpy view of the box, straight from the memory map and the header's offsets."""
+    def array_box(self, key: str, np_dtype: Any, slices: tuple[slice, ...], *, sums: BlockSums | None = None,
+                  name: str | None = None) -> Any:
+        """A numpy array of the box, read with ``preadv`` into memory it owns (never a view of
+        the file: a file truncated under a memory map kills the process with SIGBUS). With
+        ``sums``, the whole blocks the box touches are read and verified first."""
         import numpy as np
 
         e = self.header.entries[key]
-        if e.end == e.start:  # empty tensor: nothing to map (an mmap of 0 bytes is an error)
-            return np.empty(e.shape, dtype=np_dtype)[slices]
-        if self._mm is None:
-            # A private copy-on-write map: views handed out are writable (torch.from_numpy
-            # needs that, without a warning) and a write to one never reaches the file.
-            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-            # No speculative readahead around page faults: with the disk's 8 MiB readahead a
-            # cold copy of one 4 MiB range fetched 16.1 MiB through a plain map and 4.1 MiB
-            # with MADV_RANDOM (BENCHMARKS.md). Each box's own bytes are asked for below.
-            if hasattr(mmap, "MADV_RANDOM"):
-                self._mm.madvise(mmap.MADV_RANDOM)
-        start = self.header.data_start + e.start
-        arr = np.ndarray(e.shape, dtype=np_dtype, buffer=self._mm, offset=start)
-        self._prefetch(start, e.shape, arr.itemsize, slices)
-        return arr[slices] if slices else arr
+        box = _Box(e.shape, np.dtype(np_dtype).itemsize, slices)
+        if box.nbytes == 0:
+            return np.empty(box.sizes, dtype=np_dtype)
+        if sums is not None and sums.done(box.lo, box.hi):
+            sums = None
+        if sums is not None:
+            lo, hi = sums.span(box.lo, box.hi, e.end - e.start)
+        elif box.contiguous or box.hi - box.lo <= 2 * box.nbytes:
+            lo, hi = box.lo, box.hi  # read the span, at most 2x the box: one call
+        else:
+            return self._runs(e, box, np_dtype, key)
+        buf = np.empty(hi - lo, dtype=np.uint8)
+        pread_into(self._fd, buf, self.header.data_start + e.start + lo, path=self.path, key=key)
+        if sums is not None:
+            sums.verify(buf, lo, path=self.path, key=key, name=name or key)
+        return np.ndarray(box.sizes, dtype=np_dtype, buffer=buf, offset=box.lo - lo, strides=box.strides)
 
-    def _prefetch(self, start: int, shape: tuple[int, ...], itemsize: int, slices: tuple[slice, ...]) -> None:
-        """Ask for exactly the bytes of the box's span (first to last element; a strided box
-        touches every row of it): MADV_WILLNEED reads that range ahead and nothing more,
-        since MADV_RANDOM leaves page faults to fetch one page each. Fault readahead
-        (MADV_NORMAL) was faster for a cold strided box (a column half of a 2048 x 2048
-        float32 tensor: 40 ms against 120 ms) but fetched up to the disk's 8 MiB readahead
-        window past the span, bytes of tensors nobody asked for: two simulated nodes reading
-        row-parallel halves fetched 3.8 x the unique bytes (tests-integration
-        test_integ_read_once)."""
-        if not hasattr(mmap, "MADV_WILLNEED") or self._mm is None:
-            return
-        first = last = 0
-        stride = 1
-        for dim in range(len(shape) - 1, -1, -1):
-            lo, hi = (slices[dim].start or 0, slices[dim].stop) if dim < len(slices) else (0, shape[dim])
-            hi = shape[dim] if hi is None else hi
-            if hi <= lo:
-                return  # an empty box reads nothing
-            first += lo * stride
-            last += (hi - 1) * stride
-            stride *= shape[dim]
-        begin = start + first * itemsize
-        end = start + (last + 1) * itemsize
-        aligned = begin - begin % mmap.PAGESIZE
-        self._mm.madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
+    def _runs(self, e: Entry, box: _Box, np_dtype: Any, key: str) -> Any:
+        """A sparse box (a few columns of many rows): one read per contiguous run."""
+        import numpy as np
 
-    def numpy_box(self, key: str, dtype: str, slices: tuple[slice, ...]) -> Any:
-        return self.array_box(key, numpy_dtype(dtype), slices)
+        out = np.empty(box.nbytes, dtype=np.uint8)
+        run = box.run_bytes
+        base = self.header.data_start + e.start
+        for i, offset in enumerate(box.run_offsets()):
+            pread_into(self._fd, out[i * run:(i + 1) * run], base + offset, path=self.path, key=key)
+        return out.view(np_dtype).reshape(box.sizes)
 
-    def torch_box(self, key: str, dtype: str, slices: tuple[slice, ...]) -> Any:
-        """A torch view of the box. Measured (README): indexing safetensors'
-        ``safe_open(..., "pt").get_slice(key)[slices]`` costs 70-130 us per call here against
-        ~10 us for this map + ``torch.from_numpy``; both are lazy views of a file map."""
+    def read_into(self, key: str, slices: tuple[slice, ...], itemsize: int, out: Any, *,
+                  sums: BlockSums | None = None, name: str | None = None) -> bool:
+        """Read a box that is contiguous in the file straight into ``out`` (a writable uint8
+        buffer of its size): one copy, from the page cache into place. False (nothing read)
+        when the box is not contiguous, or checksums need more bytes than the box."""
+        e = self.header.entries[key]
+        box = _Box(e.shape, itemsize, slices)
+        if not box.contiguous:
+            return False
+        if sums is not None and sums.done(box.lo, box.hi):
+            sums = None
+        if box.nbytes and sums is not None and sums.span(box.lo, box.hi, e.end - e.start) != (box.lo, box.hi):
+            return False
+        if box.nbytes:
+            pread_into(self._fd, out, self.header.data_start + e.start + box.lo, path=self.path, key=key)
+            if sums is not None:
+                sums.verify(out, box.lo, path=self.path, key=key, name=name or key)
+        return True
+
+    def verify_entry(self, key: str, sums: BlockSums, *, name: str, window_blocks: int = 16) -> int:
+        """Verify every block of ``key`` (ChecksumError at the first bad one), reading
+        ``window_blocks`` blocks at a time into one reused buffer. Returns the bytes checked."""
+        import numpy as np
+
+        e = self.header.entries[key]
+        nbytes = e.end - e.start
+        window = sums.block * window_blocks
+        buf = np.empty(min(window, nbytes), dtype=np.uint8)
+        for lo in range(0, nbytes, window):
+            part = buf[:min(window, nbytes - lo)]
+            pread_into(self._fd, part, self.header.data_start + e.start + lo, path=self.path, key=key)
+            sums.verify(part, lo, path=self.path, key=key, name=name)
+        return nbytes
+
+    def numpy_box(self, key: str, dtype: str, slices: tuple[slice, ...], **kw: Any) -> Any:
+        return self.array_box(key, numpy_dtype(dtype), slices, **kw)
+
+    def torch_box(self, key: str, dtype: str, slices: tuple[slice, ...], **kw: Any) -> Any:
+        """A torch tensor of the box (sharing the numpy array's memory, reinterpreted as
+        bf16/float8 where numpy has no such type)."""
         import torch
 
-        t = torch.from_numpy(self.array_box(key, numpy_bits_dtype(dtype), slices))
+        t = torch.from_numpy(self.array_box(key, numpy_bits_dtype(dtype), slices, **kw))
         return t.view(getattr(torch, dtype)) if t.dtype != getattr(torch, dtype) else t
 
     def close(self) -> None:
-        # Never mm.close(): arrays made with np.ndarray(buffer=mm) keep the mmap object alive
-        # but not a buffer export, so close() would unmap memory that views handed out still
-        # use (a segfault). Dropping the reference unmaps it once the last view is freed.
-        self._mm = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class _Box:
+    """Where a box of a C-contiguous tensor lies: its byte span [lo, hi) relative to the
+    tensor's first byte, its byte strides, and its contiguous runs."""
+
+    def __init__(self, shape: tuple[int, ...], itemsize: int, slices: tuple[slice, ...]):
+        bounds = []
+        for dim, size in enumerate(shape):
+            sl = slices[dim] if dim < len(slices) else slice(0, size)
+            lo = sl.start or 0
+            bounds.append((lo, size if sl.stop is None else sl.stop))
+        self.sizes = tuple(hi - lo for lo, hi in bounds)
+        self.nbytes = math.prod(self.sizes) * itemsize
+        strides = []
+        step = itemsize
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        self.strides = tuple(reversed(strides))
+        self.lo = sum(lo * st for (lo, _), st in zip(bounds, self.strides, strict=True))
+        last = sum((hi - 1) * st for (_, hi), st in zip(bounds, self.strides, strict=True))
+        self.hi = last + itemsize if self.nbytes else self.lo
+        self.contiguous = self.hi - self.lo == self.nbytes
+        # the runs: the trailing dims the box spans whole, plus the first one it does not
+        k = len(shape)
+        run = itemsize
+        while k > 0 and self.sizes[k - 1] == shape[k - 1]:
+            k -= 1
+            run *= shape[k]
+        if k > 0:
+            run *= self.sizes[k - 1]
+            k -= 1
+        self.run_bytes = run
+        self._outer = k
+
+    def run_offsets(self) -> Any:
+        import itertools
+
+        k = self._outer
+        ranges = [range(self.sizes[d]) for d in range(k)]
+        base = self.lo
+        for index in itertools.product(*ranges):
+            yield base + sum(i * st for i, st in zip(index, self.strides[:k], strict=True))

@@ -3,6 +3,7 @@ JSON metadata last, atomically, so a reader sees either a whole checkpoint or no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -12,11 +13,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
 from ._errors import UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
-from ._native import MARKER_KEY, MARKER_VALUE, METADATA_FILE
+from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE
 from ._paths import check_files, check_name
+from ._safetensors_file import read_header_at
 from ._values import is_storable_value
 
 logger = logging.getLogger(__name__)
@@ -54,6 +57,26 @@ def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
         return dtype, shape, np.ascontiguousarray(t).reshape(-1).view(np.uint8)
     raise TypeError(f"tensor {key!r}: expected a torch tensor, numpy array or MindSpore tensor, got "
                     f"{type(t).__module__}.{type(t).__name__}")
+
+
+def with_checksums(root_real: str, metadata: CheckpointMetadata) -> CheckpointMetadata:
+    """``metadata`` with each chunk's missing checksum taken from its file's header (written
+    there by ``write_file``); chunks of files without them stay as they are."""
+    by_file: dict[str, dict[str, str]] = {}
+    tensors = {}
+    for name, t in metadata.tensors.items():
+        chunks = []
+        for c in t.chunks:
+            if c.checksum is None:
+                if c.file not in by_file:
+                    raw = (read_header_at(root_real, c.file).metadata or {}).get(CHECKSUMS_KEY)
+                    by_file[c.file] = json.loads(raw) if isinstance(raw, str) else {}
+                digest = by_file[c.file].get(c.key)
+                if isinstance(digest, str):
+                    c = dataclasses.replace(c, checksum=digest)
+            chunks.append(c)
+        tensors[name] = dataclasses.replace(t, chunks=tuple(chunks))
+    return dataclasses.replace(metadata, tensors=tensors, values=dict(metadata.values))
 
 
 def _fsync_dir(path: str) -> None:
@@ -120,6 +143,7 @@ class NativeWriter:
         t0 = time.perf_counter()
         final = self._target(file_name)
         header: dict[str, Any] = {"__metadata__": {MARKER_KEY: MARKER_VALUE, "format": "pt"}}
+        sums: dict[str, str] = {}
         bufs = []
         pos = 0
         bad = []
@@ -135,9 +159,13 @@ class NativeWriter:
                            "data_offsets": [pos, pos + raw.nbytes]}
             pos += raw.nbytes
             bufs.append(raw)
+            sums[key] = block_digests(raw)
         if bad:
             raise UnknownDtypeError(f"{len(bad)} tensor(s) cannot be saved: {summarise([e.message for e in bad])}",
                                     path=final, key=bad[0].key, offenders=[e.key or "" for e in bad])
+        # Each rank's digests travel in its own file's header; commit() on rank 0 moves them
+        # into the metadata (one header read per file), so savers need not gather them.
+        header["__metadata__"][CHECKSUMS_KEY] = json.dumps(sums, separators=(",", ":"))
         hjson = json.dumps(header, separators=(",", ":")).encode()
         hjson += b" " * (-len(hjson) % 8)  # safetensors aligns the data section to 8 bytes
         n = _atomic_write(final, [len(hjson).to_bytes(8, "little"), hjson, *bufs])
@@ -177,14 +205,17 @@ class NativeWriter:
 
     def commit(self, metadata: CheckpointMetadata) -> None:
         """Write the metadata last and atomically. Checks first that every file it names
-        exists inside the checkpoint (MissingFileError / UnsafePathError listing all)."""
+        exists inside the checkpoint (MissingFileError / UnsafePathError listing all). Chunks
+        without a checksum get the block checksums ``write_file`` recorded in their file."""
         if not isinstance(metadata, CheckpointMetadata):
             raise TypeError(f"metadata must be a CheckpointMetadata, got {type(metadata).__name__}")
         if metadata.format != "native":
             raise ValueError(f"metadata.format must be 'native' for NativeWriter, got {metadata.format!r}")
         files = [(c.file, name) for name, t in metadata.tensors.items() for c in t.chunks]
         files += [(v.file, name) for name, v in metadata.values.items() if v.file is not None]
-        check_files(os.path.realpath(self.path), files)
+        root = os.path.realpath(self.path)
+        check_files(root, files)
+        metadata = with_checksums(root, metadata)
         _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))
