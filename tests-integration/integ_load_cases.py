@@ -183,12 +183,19 @@ class FailingReader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def read(self, name: str, chunk: Any, offsets: Any, sizes: Any, **kw: Any) -> Any:
+    def _maybe_fail(self, name: str, sizes: Any) -> None:
         if self.fail and math.prod(sizes) > 1:
             self.reads += 1
             if self.reads == 1:
                 raise OSError(f"injected read failure on {name!r}")
+
+    def read(self, name: str, chunk: Any, offsets: Any, sizes: Any, **kw: Any) -> Any:
+        self._maybe_fail(name, sizes)
         return self.inner.read(name, chunk, offsets, sizes, **kw)
+
+    def read_into(self, name: str, chunk: Any, offsets: Any, sizes: Any, out: Any) -> None:
+        self._maybe_fail(name, sizes)
+        self.inner.read_into(name, chunk, offsets, sizes, out)
 
 
 def report(r: Any) -> dict[str, Any]:

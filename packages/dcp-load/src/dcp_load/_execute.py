@@ -65,12 +65,10 @@ class _ReadAhead(threading.Thread):
                 target = self.targets[item.name]
                 chunk = tensors[item.name].chunks[item.chunk]
                 try:
-                    data = self.reader.read(item.name, chunk, item.offsets, item.sizes,
-                                            framework=target.adapter.read_framework)
                     dest = self.staged.get(position)
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
-                    target.adapter.copy(dest, data)
+                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -78,7 +76,6 @@ class _ReadAhead(threading.Thread):
                                        f"sizes={item.sizes} from {chunk.file!r} failed: "
                                        f"{type(exc).__name__}: {exc}")
                     break
-                del data
                 self.done += 1
                 event = self.events.get(position)
                 if event is not None:
@@ -89,6 +86,18 @@ class _ReadAhead(threading.Thread):
             for event in self.events.values():
                 event.set()
             self.seconds = time.perf_counter() - start
+
+
+def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str) -> None:
+    """Read one piece into ``dest``. A torch destination of the checkpoint's dtype is read
+    in place (``CheckpointReader.read_into``: straight into a contiguous destination, one
+    copy instead of two); a cast, or a MindSpore destination, goes through ``read`` and the
+    adapter's copy."""
+    if target.adapter.name == "torch" and target.dtype == saved_dtype:
+        reader.read_into(item.name, chunk, item.offsets, item.sizes, dest)
+        return
+    data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework)
+    target.adapter.copy(dest, data)
 
 
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,

@@ -22,6 +22,7 @@ dtype codes and a ``{"format": "ms"}`` header metadata), read by the shared safe
 from __future__ import annotations
 
 import _compat_pickle
+import io
 import os
 import pickle
 import re
@@ -38,8 +39,8 @@ from ._errors import (
     summarise,
 )
 from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import check_files
-from ._torch_dcp import _record_class, _RestrictedUnpickler
+from ._paths import METADATA_LIMIT, check_files, read_regular
+from ._unpickle import _record_class, _RestrictedUnpickler
 
 FORMAT = "hyper-parallel"
 METADATA_FILE = ".metadata"
@@ -171,8 +172,10 @@ def _metadata_path(root_real: str, rank: int | None) -> str:
 
 def _unpickle(path: str) -> Any:
     try:
-        with open(path, "rb") as f:
-            md = _HyperUnpickler(f, path).load()
+        # a regular file inside the directory, at most METADATA_LIMIT bytes (no FIFO, no
+        # symlink out, no /dev/zero), then the bounded restricted unpickler
+        raw = read_regular(os.path.dirname(path), os.path.basename(path), limit=METADATA_LIMIT)
+        md = _HyperUnpickler(io.BytesIO(raw), path).load()
     except CheckpointError:
         raise
     except Exception as e:  # any malformed pickle: report, never propagate half-built state
