@@ -69,6 +69,7 @@ def _states(mesh: Any, rank: int) -> dict[str, dict[str, Any]]:
         # a torchtitan-like mix: column-parallel, row-parallel, replicated norm
         "dp2_tp2": {"wq": dt("wq", [R, Shard(0)]), "w1": dt("w1", [R, Shard(0)]),
                     "wo": dt("wo", [R, Shard(1)]), "w2": dt("w2", [R, Shard(1)]), "norm": dt("norm", [R, R])},
+        "col_only": {"wq": dt("wq", [R, Shard(0)])},
         "partial_overlap": {"w1": Chunk(torch.full((640, COLS), float("nan")), (ROWS, COLS), (lo, 0))},
     }
 
@@ -107,5 +108,6 @@ def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict
         fetched = read_bytes() - before
         wrong = [n for n, v in state.items() if not torch.equal(*_expected(n, v))]
         out[case] = {"fetched": fetched, "unique": report.job_unique_bytes, "wrong": wrong,
-                     "received": report.bytes_received}
+                     "received": report.bytes_received,
+                     "reader_bytes": report.bytes_read, "pieces": report.pieces_read}
     return out

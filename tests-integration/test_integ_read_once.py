@@ -47,5 +47,6 @@ def test_each_stored_byte_is_fetched_once_per_job(copies, mode):
         unique = per_rank[0][case]["unique"]
         assert unique > 0 and fetched <= 1.02 * unique, (
             f"{case} ({mode}): fetched {fetched} bytes for {unique} unique ({fetched / unique:.2f} x): "
-            + ", ".join(f"rank {i} {r[case]['fetched']}" for i, r in enumerate(per_rank)))
+            + ", ".join(f"rank {i} {r[case]['fetched']} (read {r[case]['reader_bytes']} in "
+                        f"{r[case]['pieces']} pieces)" for i, r in enumerate(per_rank)))
         assert any(r[case]["received"] for r in per_rank), f"{case}: nothing was broadcast between nodes"
