@@ -82,3 +82,12 @@ def test_non_strict_load_that_leaves_keys_unloaded_warns(ckpt, caplog):
     assert report.missing == ("extra",) and w.tolist() == list(range(6)) and extra.tolist() == [5.0, 5.0]
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "1 key(s)" in caplog.text and "'extra'" in caplog.text
+
+
+def test_an_execute_failure_does_not_claim_nothing_changed():
+    # Found only while reading (a corrupt torch DCP payload, a disk error): earlier pieces
+    # may already sit in their destinations, and the message must say so.
+    execute = str(LoadError({1: ["reading 'w' failed"]}, "execute"))
+    assert "may have been partly written" in execute and "No destination tensor was changed" not in execute
+    validate = str(LoadError({1: ["shape mismatch"]}, "validate"))
+    assert "No destination tensor was changed" in validate and "partly written" not in validate

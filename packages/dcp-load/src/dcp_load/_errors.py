@@ -55,6 +55,10 @@ class LoadError(Exception):
                          "(LoadError.failures holds every one)")
         if phase == "validate":
             lines.append("No destination tensor was changed.")
+        elif phase in ("execute", "finish"):
+            lines.append("Found only while reading: destination tensors of this load may have been "
+                         "partly written (any tensor entry of the state dict; non-tensor values were "
+                         "not replaced). Load again before using them.")
         super().__init__("\n".join(lines))
 
     def __reduce__(self):  # picklable, so that a test harness can carry it between processes
