@@ -13,7 +13,7 @@ from dcp_platform import PeerFailure
 from ._aliases import resolve_aliases
 from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._derived_plan import derived_plan, ensure_groups
-from ._errors import LoadError
+from ._errors import LoadError, format_ranks
 from ._execute import execute
 from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
@@ -188,6 +188,36 @@ def load(
                      allow_dtype_cast=allow_dtype_cast)
 
 
+def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
+                  settings: tuple[Any, ...], broadcast: bool, reader: Any) -> tuple[list[Any], Any]:
+    """Every rank's wants and hosts (the gathered path), after checking that every rank
+    passed the same broadcast settings and planned from the same checkpoint metadata (a
+    checkpoint re-saved during the load, or nodes with different copies, would make the
+    ranks walk different broadcast schedules: gloo aborted the process on the size
+    mismatch). Either difference raises LoadError on every rank, naming the ranks."""
+    from ._derived_plan import metadata_digest
+
+    host = host_id() if broadcast else None
+    digest = metadata_digest(reader.metadata.tensors) if reader is not None else None
+    gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
+                                  payload=(wants, settings, host, digest))
+    if len({s for _, s, _, _ in gathered_all}) > 1:
+        per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
+                    for r, (_, s, _, _) in enumerate(gathered_all)}
+        raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
+                         for r, c in per_rank.items()}, "validate")
+    digests: dict[Any, list[int]] = {}
+    for r, (_, _, _, d) in enumerate(gathered_all):
+        digests.setdefault(d, []).append(r)
+    if len(digests) > 1:
+        groups = sorted(digests.values(), key=lambda g: (-len(g), g))
+        raise LoadError({r: [f"read checkpoint metadata that differs from rank {groups[0][0]}'s (as do "
+                             f"{format_ranks(g)}); every rank must load the same checkpoint: "
+                             "a copy that differs, or a checkpoint re-saved during the load"]
+                         for g in groups[1:] for r in g}, "validate")
+    return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
+
+
 def _fallback_platform(exc: Exception) -> Any:
     """The torch platform when torch.distributed runs (peers may wait on us), else re-raise."""
     try:
@@ -258,17 +288,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
                             custom_planner=planner is not None) if collective else None
         derived = plan is not None
         if plan is None:  # the gathered path
-            host = host_id() if broadcast else None
-            gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
-                                          payload=(wants, settings, host))
-            differing = sorted({s for _, s, _ in gathered_all}, key=repr)
-            if len(differing) > 1:
-                per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
-                            for r, (_, s, _) in enumerate(gathered_all)}
-                raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
-                                 for r, c in per_rank.items()}, "validate")
-            gathered = [w for w, _, _ in gathered_all]
-            hosts = [h for _, _, h in gathered_all] if host is not None else None
+            gathered, hosts = _gather_wants(coord, errors, collective, wants, settings, broadcast, reader)
         phases.end("prepare")
 
         if plan is None:
