@@ -46,7 +46,7 @@ def _torch_requirements(links: list[str]) -> list[str]:
 FIND_LINKS = [f"--find-links={link}" for link in _find_links()]
 TORCH = [*FIND_LINKS, *_torch_requirements(_find_links())]
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]  # MindSpore 2.10 fails to import with numpy 2
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3", "matplotlib>=3.8"]  # matplotlib: dcp plan --png
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"

@@ -143,14 +143,17 @@ def kill_in_read_ahead(rank: int, world: int, ckpts: dict[str, str], victim: int
     from dcp_reader import open_checkpoint
 
     reader = open_checkpoint(ckpts["good"])
-    real = reader.read
 
-    def read(*args: Any, **kw: Any) -> Any:
-        if rank == victim and threading.current_thread().name == "dcp-load-read-ahead":
-            _kill_self()
-        return real(*args, **kw)
+    def killing(real: Any) -> Any:
+        def read(*args: Any, **kw: Any) -> Any:
+            if rank == victim and threading.current_thread().name == "dcp-load-read-ahead":
+                _kill_self()
+            return real(*args, **kw)
+        return read
 
-    reader.read = read  # type: ignore[method-assign]
+    # the read-ahead thread reads with read_into (straight into the destination) or read
+    reader.read = killing(reader.read)  # type: ignore[method-assign]
+    reader.read_into = killing(reader.read_into)  # type: ignore[method-assign]
     try:
         import dcp_load
 
