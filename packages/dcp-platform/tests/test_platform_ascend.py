@@ -56,14 +56,17 @@ def fake_npu(monkeypatch) -> _FakeNpu:
     sys.modules.pop("dcp_platform._ascend", None)
 
 
-class _NpuTensorStub:
-    """Stands in for a torch tensor on an NPU: selection looks at the type's module and
-    ``tensor.device.type`` only (a real one cannot be allocated without an NPU)."""
+class _NpuTensor(torch.Tensor):
+    """A torch tensor that reports an NPU device: selection checks ``isinstance(t,
+    torch.Tensor)`` and ``t.device.type`` (a real one cannot be allocated without an NPU)."""
 
-    __module__ = "torch"
+    @property
+    def device(self):  # type: ignore[override]
+        return types.SimpleNamespace(type="npu", index=CURRENT_NPU)
 
-    def __init__(self) -> None:
-        self.device = types.SimpleNamespace(type="npu", index=CURRENT_NPU)
+
+def _NpuTensorStub() -> torch.Tensor:
+    return torch.Tensor._make_subclass(_NpuTensor, torch.zeros(1))
 
 
 def test_ascend_selected_by_name_env_and_npu_tensor(fake_npu, monkeypatch):
