@@ -93,11 +93,15 @@ def _world(world: int) -> tuple[int, ...]:
 
 
 def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flags: int, world: int,
-                 offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int) -> Derived | None:
+                 offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int,
+                 meshes: dict[int, Any] | None = None) -> Derived | None:
     """The derived entry of one state-dict value, or None when it cannot be derived.
 
     ``offsets``/``sizes``: this rank's own box (``Target``), checked against the derived
     one so that a layout torch computes differently falls back instead of misplanning.
+    ``meshes``: the caller's cache of (ranks, shape) per device mesh object, for one load:
+    ``DeviceMesh.mesh`` is rebuilt from its layout on every access (~0.35 ms; 180 accesses
+    for a 90-DTensor state dict took 62 ms).
     """
     from ._state import Chunk
     from ._targets import _is_dtensor
@@ -112,8 +116,13 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
     if not placements:
         return None
     mesh = value.device_mesh
-    ranks = _mesh_ranks(mesh)
-    mesh_shape = tuple(int(s) for s in mesh.mesh.shape)
+    known = meshes.get(id(mesh)) if meshes is not None else None
+    if known is None or known[0] is not mesh:
+        grid = mesh.mesh
+        known = (mesh, tuple(int(r) for r in grid.flatten().tolist()), tuple(int(s) for s in grid.shape))
+        if meshes is not None:
+            meshes[id(mesh)] = known
+    _, ranks, mesh_shape = known
     boxes = mesh_boxes(shape, mesh_shape, ranks, placements)
     mine = [(o, s) for o, s, h in boxes if rank in h]
     if any(s == 0 for s in sizes) and not mine:
@@ -122,10 +131,6 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
         return None
     return Derived(name, shape, dtype, flags, ("mesh", mesh_shape, ranks, placements),
                    tuple(sorted(ranks)), boxes)
-
-
-def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
-    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
 
 
 def held_boxes(entries: Sequence[Derived]) -> dict[str, dict[tuple[Any, ...], list[Any]]]:

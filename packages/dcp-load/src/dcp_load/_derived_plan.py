@@ -37,8 +37,9 @@ def metadata_digest(tensors: Mapping[str, Any]) -> int:
 def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
              shapes: Mapping[str, tuple[int, ...]]) -> list[Derived] | None:
     out = []
+    meshes: dict[int, Any] = {}
     for name, offsets, sizes, flags, dtype in wants:
-        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, offsets, sizes, rank)
+        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, offsets, sizes, rank, meshes)
         if entry is None:
             return None
         out.append(entry)
