@@ -31,15 +31,9 @@ def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
     """max/mean bytes read per rank of the gathered global plan with GreedyPlanner."""
     from dcp_load import GreedyPlanner
     from dcp_load._plan import build_global_plan
-    from dcp_load._simulate import stage_entries
+    from dcp_load._simulate import gathered_wants
 
-    wants: list[list[tuple]] = [[] for _ in range(layout.world)]
-    for entries in stage_entries(tensors, layout):
-        for e in entries:
-            for o, s, holders in e.boxes:
-                for r in holders:
-                    wants[r].append((e.name, o, s, e.flags, e.dtype))
-    hosts = [layout.host(r) for r in range(layout.world)]
+    wants, hosts = gathered_wants(tensors, layout)
     plan = build_global_plan(tensors, wants, hosts=hosts, planner=GreedyPlanner())
     return max(plan.loads) / (sum(plan.loads) / layout.world)
 

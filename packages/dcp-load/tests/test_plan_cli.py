@@ -11,7 +11,7 @@ from contextlib import redirect_stdout
 import pytest
 from dcp_load._cli import main
 from dcp_load._plan import build_global_plan
-from dcp_load._simulate import Layout, model_metadata, simulate, stage_entries
+from dcp_load._simulate import Layout, gathered_wants, model_metadata, simulate
 
 KEYS = {"world_size", "planning_seconds_max", "exchanged_bytes_per_rank_max", "read_bytes_per_rank_max",
         "read_bytes_per_rank_mean", "broadcasts_per_rank_max", "amplification"}
@@ -41,13 +41,7 @@ def test_json_for_a_built_in_model() -> None:
 def test_simulated_reads_equal_the_gathered_global_plan() -> None:
     tensors = model_metadata("llama-8b")
     layout = Layout(2, 2, 2, ranks_per_host=2)
-    wants: list[list[tuple]] = [[] for _ in range(layout.world)]
-    for entries in stage_entries(tensors, layout):
-        for e in entries:
-            for o, s, holders in e.boxes:
-                for r in holders:
-                    wants[r].append((e.name, o, s, e.flags, e.dtype))
-    hosts = [layout.host(r) for r in range(layout.world)]
+    wants, hosts = gathered_wants(tensors, layout)
     full = build_global_plan(tensors, wants, hosts=hosts)
     sim = simulate(tensors, layout, time_roles=False)
     assert sim["read_bytes_per_rank"] == list(full.loads)

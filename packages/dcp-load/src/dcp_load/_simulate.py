@@ -146,6 +146,18 @@ def stage_entries(tensors: Mapping[str, Any], layout: Layout) -> list[list[Deriv
     return out
 
 
+def gathered_wants(tensors: Mapping[str, Any], layout: Layout) -> tuple[list[list[tuple[Any, ...]]], list[Any]]:
+    """Every rank's wants and host, as the gathered path would collect them (for comparing
+    the derived plan with ``build_global_plan``)."""
+    wants: list[list[tuple[Any, ...]]] = [[] for _ in range(layout.world)]
+    for entries in stage_entries(tensors, layout):
+        for e in entries:
+            for o, s, holders in e.boxes:
+                for r in holders:
+                    wants[r].append((e.name, o, s, e.flags, e.dtype))
+    return wants, [layout.host(r) for r in range(layout.world)]
+
+
 def _time_role(tensors: Mapping[str, Any], layout: Layout, stage: int, rank: int,
                entries: Sequence[Derived]) -> tuple[float, float]:
     """(wall, CPU) seconds one rank spends planning: derive its entries (cold cache), the
