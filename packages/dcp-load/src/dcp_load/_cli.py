@@ -7,13 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+from ._progress import human_bytes
 
 
 def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int | None = None) -> int:
@@ -31,13 +25,13 @@ def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int 
         total = sum(t.nbytes for t in meta.tensors.values())
         files = {c.file for t in meta.tensors.values() for c in t.chunks}
         print(f"{reader.path}: format {meta.format}, {len(meta.tensors)} tensors, {len(meta.values)} values, "
-              f"{_human(total)} in {len(files)} data file(s)", file=out)
+              f"{human_bytes(total)} in {len(files)} data file(s)", file=out)
         width = max([4, *(len(n) for n in meta.tensors), *(len(n) for n in meta.values)])
         print(f"{'name':<{width}}  {'shape':<18} {'dtype':<14} {'chunks':>6} {'bytes':>10}", file=out)
         for name in sorted(meta.tensors):
             t = meta.tensors[name]
             shape = "(" + ", ".join(map(str, t.shape)) + ("," if len(t.shape) == 1 else "") + ")"
-            print(f"{name:<{width}}  {shape:<18} {t.dtype:<14} {len(t.chunks):>6} {_human(t.nbytes):>10}", file=out)
+            print(f"{name:<{width}}  {shape:<18} {t.dtype:<14} {len(t.chunks):>6} {human_bytes(t.nbytes):>10}", file=out)
             if chunks:
                 for c in t.chunks:
                     print(f"{'':<{width}}    offsets={c.offsets} sizes={c.sizes} {c.file}:{c.key}", file=out)
@@ -76,7 +70,7 @@ def verify(path: str, *, out=None) -> int:
         return 2
     for problem in report.problems:
         print(f"PROBLEM {problem}", file=out)
-    checked = (f"{report.chunks_with_checksums} with checksums, {_human(report.bytes_verified)} verified"
+    checked = (f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
                if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
     print(f"{report.path}: {status}: format {report.format}, {report.tensors} tensors, {report.chunks} chunks "

@@ -24,7 +24,6 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import os
-import pickle
 import re
 from typing import Any
 
@@ -33,7 +32,6 @@ from ._errors import (
     CheckpointError,
     MetadataError,
     MissingMetadataError,
-    TruncatedFileError,
     UnknownDtypeError,
     UnsafePickleError,
     summarise,
@@ -276,21 +274,3 @@ def load_hyper(root_real: str, *, rank: int | None = None) -> CheckpointMetadata
                                   partial=os.path.basename(path) != METADATA_FILE)
     except CheckpointError as e:
         raise e.with_path(path) from None
-
-
-def read_pickled_value(real: str, storage: tuple[int, int], name: str) -> Any:
-    """Unpickle the value stored at ``storage`` (offset, length) of a ``.bytes`` file. Runs
-    code from the checkpoint: only call when the caller opted in (allow_pickle=True)."""
-    offset, length = storage
-    with open(real, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if offset + length > size:
-            raise TruncatedFileError(f"value {name!r} is stored at bytes [{offset}, {offset + length}) but the "
-                                     f"file has {size} bytes; the file is truncated: re-copy it", path=real,
-                                     key=name)
-        payload = os.pread(f.fileno(), length, offset)
-    try:
-        return pickle.loads(payload)  # opted in by the caller (allow_pickle=True)
-    except Exception as e:  # a corrupt payload: report it typed, naming the value
-        raise MetadataError(f"cannot unpickle value {name!r} at bytes [{offset}, {offset + length}) "
-                            f"({type(e).__name__}: {e}); the file is corrupt", path=real, key=name) from None

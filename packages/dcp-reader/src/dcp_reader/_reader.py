@@ -24,10 +24,10 @@ from ._errors import (
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hf import load_hf
 from ._hyper import FORMAT as HYPER_FORMAT
-from ._hyper import load_hyper, read_pickled_value
+from ._hyper import load_hyper
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
 from ._native import load_native
-from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular, resolve
+from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
 from ._unpickle import memo_problem
@@ -233,7 +233,7 @@ class CheckpointReader:
                                     "from the checkpoint. Pass allow_pickle=True only if you trust it",
                                     path=self.path, key=name)
         if self.format == HYPER_FORMAT and v.storage is not None:
-            return read_pickled_value(resolve(self.path, v.file, key=name), v.storage, name)
+            return self._read_pickled_range(name, v.file, v.storage)
         d = self._pickles.get(v.file)
         if d is None:
             raw = read_regular(self.path, v.file, limit=METADATA_LIMIT, key=name)
@@ -242,6 +242,24 @@ class CheckpointReader:
         if not isinstance(d, dict) or v.key not in d:
             raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
         return d[v.key]
+
+    def _read_pickled_range(self, name: str, file: str, storage: tuple[int, int]) -> Any:
+        """A value pickled at (offset, length) of ``file`` (hyper-parallel ``.bytes``): a
+        regular file inside the checkpoint, bytes bounded by its size, the same checked
+        unpickling as other opted-in pickles."""
+        offset, length = storage
+        fd = open_regular(self.path, file, key=name)
+        try:
+            size = os.fstat(fd).st_size
+            path = os.path.join(self.path, file)
+            if offset + length > size:
+                raise TruncatedFileError(f"value {name!r} is stored at bytes [{offset}, {offset + length}) but the "
+                                         f"file has {size} bytes; the file is truncated: re-copy it", path=path,
+                                         key=name)
+            raw = os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+        return _trusted_pickle(raw, path, name)
 
     def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
         if storage is None:
