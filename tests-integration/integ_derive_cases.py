@@ -106,7 +106,10 @@ def derive_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]
         check({k: v for k, v in state.items() if not k.startswith("many.")}, errors, where)
         return {"sent": c.sent, "store_sent": c.store_sent, "calls": c.calls, "report": report(r)}
 
-    for label, placements in (("RS0", [R, S(0)]), ("RS1", [R, S(1)]), ("RR", [R, R])):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [_StridedShard(0, split_factor=2), S(0)]  # FSDP2 over TP rows, as torchtitan lays them out
+    for label, placements in (("RS0", [R, S(0)]), ("RS1", [R, S(1)]), ("RR", [R, R]), ("SS0", strided)):
         for src in ("tp4", "uneven"):
             key = f"values_{label}_{src}"
             run_case(results, key, lambda e, p=placements, s=src, k=key: counted(

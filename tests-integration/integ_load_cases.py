@@ -122,15 +122,13 @@ def dtensor(name: str, mesh: Any, placements: Sequence[Any]) -> Any:
 def local_expected(name: str, value: Any, full: Callable[[str], torch.Tensor] = full) -> torch.Tensor:
     """The part of the global tensor ``full(name)`` that ``value`` holds on this rank."""
     from dcp_load import Chunk
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     t = full(name)
     if isinstance(value, Chunk):
         return t[tuple(slice(o, o + s) for o, s in zip(value.offsets, value.sizes, strict=True))]
-    if isinstance(value, DTensor):
-        shape, off = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return t[tuple(slice(o, o + s) for o, s in zip(off, shape, strict=True))]
+    if isinstance(value, DTensor):  # torch's own cut (rows of a _StridedShard need not be contiguous)
+        return distribute_tensor(t, value.device_mesh, list(value.placements), src_data_rank=None).to_local()
     return t
 
 

@@ -45,7 +45,7 @@ def _case(results: list[dict], name: str) -> list:
     return [r["out"] for r in per_rank]
 
 
-@pytest.mark.parametrize("placements", ["RS0", "RS1", "RR"])
+@pytest.mark.parametrize("placements", ["RS0", "RS1", "RR", "SS0"])
 @pytest.mark.parametrize("src", ["tp4", "uneven"])
 def test_derived_load_is_exact_and_sends_only_the_digest(results, placements, src):
     outs = _case(results, f"values_{placements}_{src}")
@@ -82,3 +82,14 @@ def test_a_different_layout_raises_on_every_rank(results):
     outs = _case(results, "extra_plain")
     for o in outs:
         assert o["failures"] == [2] and "'odd.w'" in o["message"] and o["poisoned"], o
+
+
+@pytest.mark.parametrize("src", ["tp4", "uneven"])
+def test_strided_shard_is_derived_not_gathered(results, src):
+    # torchtitan's FSDP2 + TP rows ([_StridedShard(0, sf=2), Shard(0)]) send the same fixed-size
+    # control payload as plain Shard(0), up to the width of the pickled byte counts of the
+    # closing exchange: no wants are gathered.
+    plain, strided = _case(results, f"values_RS0_{src}"), _case(results, f"values_SS0_{src}")
+    for a, b in zip(plain, strided, strict=True):
+        assert b["calls"] == a["calls"]
+        assert abs(b["sent"] - a["sent"]) < 32, (a["sent"], b["sent"])

@@ -8,8 +8,12 @@ computes one box per distinct shard coordinate and lists its holders from the me
 shape). A plain tensor is the whole tensor on every rank that holds it; it is derivable
 when every rank of the job holds it (the digest exchange checks that, ``_digest``).
 
-Entries that cannot be derived (``Chunk`` annotations, MindSpore tensors, placements
-other than ``Shard``/``Replicate``) make the whole load use the gathered wants.
+``_StridedShard`` (FSDP2 over a TP-sharded dim, as torchtitan lays out) is derived the same
+way: each shard coordinate's rows come from ``_targets.boxes_at`` (torch's own per-placement
+step), and a coordinate whose rows are not contiguous holds several boxes.
+
+Entries that cannot be derived (``Chunk`` annotations, MindSpore tensors, placements other
+than ``Shard``/``_StridedShard``/``Replicate``) make the whole load use the gathered wants.
 """
 
 from __future__ import annotations
@@ -46,17 +50,30 @@ class Derived:
 
 
 def _placement_key(placements: Sequence[Any]) -> tuple[Any, ...]:
+    """``("R",)``, ``("S", dim)`` or ``("SS", dim, split_factor)`` per placement; () when one
+    of them cannot be derived."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    out = []
+    out: list[tuple[Any, ...]] = []
     for p in placements:
         if type(p) is Replicate:
             out.append(("R",))
         elif type(p) is Shard:
             out.append(("S", int(p.dim)))
+        elif type(p) is _StridedShard:
+            out.append(("SS", int(p.dim), int(p.split_factor)))
         else:
             return ()
     return tuple(out)
+
+
+def _placement_objects(placements: tuple[tuple[Any, ...], ...]) -> tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    kinds = {"R": lambda: Replicate(), "S": lambda d: Shard(d), "SS": lambda d, f: _StridedShard(d, split_factor=f)}
+    return tuple(kinds[p[0]](*p[1:]) for p in placements)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -64,14 +81,16 @@ def mesh_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], ranks: tuple
                placements: tuple[tuple[Any, ...], ...]) -> tuple[HeldBox, ...]:
     """Distinct non-empty boxes of a tensor of global ``shape`` laid out on a mesh of
     ``mesh_shape`` whose ranks are ``ranks`` (row-major), with ``placements`` given as
-    ``("S", dim)`` / ``("R",)``; each with the sorted ranks holding it."""
+    ``_placement_key`` writes them; each with the sorted ranks holding it. A box depends
+    only on the coordinates along the sharded mesh dims (``_targets.boxes_at``, torch's own
+    sharding step); every rank along the replicated dims holds it too."""
     import numpy as np
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    objs = [Shard(p[1]) if p[0] == "S" else Replicate() for p in placements]
+    from ._targets import boxes_at
+
+    objs = _placement_objects(placements)
     grid = np.asarray(ranks, dtype=np.int64).reshape(mesh_shape)
-    sharded = [d for d, p in enumerate(placements) if p[0] == "S"]
+    sharded = [d for d, p in enumerate(placements) if p[0] != "R"]
     merged: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
     for coords in itertools.product(*(range(mesh_shape[d]) for d in sharded)):
         coordinate = [0] * len(mesh_shape)
@@ -79,11 +98,10 @@ def mesh_boxes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], ranks: tuple
         for d, c in zip(sharded, coords, strict=True):
             coordinate[d] = c
             index[d] = c
-        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, objs)
-        sizes, offsets = tuple(int(s) for s in sizes), tuple(int(o) for o in offsets)
-        if any(s == 0 for s in sizes):
-            continue
-        merged.setdefault((offsets, sizes), []).extend(int(r) for r in np.ravel(grid[tuple(index)]))
+        holders = [int(r) for r in np.ravel(grid[tuple(index)])]
+        for box in boxes_at(shape, mesh_shape, coordinate, objs):
+            if all(s > 0 for s in box.sizes):
+                merged.setdefault((box.offsets, box.sizes), []).extend(holders)
     return tuple((o, s, tuple(sorted(h))) for (o, s), h in merged.items())
 
 
@@ -93,12 +111,12 @@ def _world(world: int) -> tuple[int, ...]:
 
 
 def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flags: int, world: int,
-                 offsets: tuple[int, ...], sizes: tuple[int, ...], rank: int,
+                 own: Sequence[tuple[tuple[int, ...], tuple[int, ...]]], rank: int,
                  meshes: dict[int, Any] | None = None) -> Derived | None:
     """The derived entry of one state-dict value, or None when it cannot be derived.
 
-    ``offsets``/``sizes``: this rank's own box (``Target``), checked against the derived
-    one so that a layout torch computes differently falls back instead of misplanning.
+    ``own``: this rank's own boxes (``Target.boxes``: offsets, sizes), checked against the
+    derived ones so that a layout torch computes differently falls back instead of misplanning.
     ``meshes``: the caller's cache of (ranks, shape) per device mesh object, for one load:
     ``DeviceMesh.mesh`` is rebuilt from its layout on every access (~0.35 ms; 180 accesses
     for a 90-DTensor state dict took 62 ms).
@@ -124,10 +142,8 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
             meshes[id(mesh)] = known
     _, ranks, mesh_shape = known
     boxes = mesh_boxes(shape, mesh_shape, ranks, placements)
-    mine = [(o, s) for o, s, h in boxes if rank in h]
-    if any(s == 0 for s in sizes) and not mine:
-        pass  # an empty shard: this rank holds nothing of the tensor
-    elif mine != [(offsets, sizes)]:
+    mine = sorted((o, s) for o, s, h in boxes if rank in h)
+    if mine != sorted((o, s) for o, s in own if all(n > 0 for n in s)):  # empty shards hold nothing
         return None
     return Derived(name, shape, dtype, flags, ("mesh", mesh_shape, ranks, placements),
                    tuple(sorted(ranks)), boxes)

@@ -38,8 +38,14 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
              shapes: Mapping[str, tuple[int, ...]]) -> list[Derived] | None:
     out = []
     meshes: dict[int, Any] = {}
-    for name, offsets, sizes, flags, dtype in wants:
-        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, offsets, sizes, rank, meshes)
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for name, offsets, sizes, _, _ in wants:  # a _StridedShard's rows may make several boxes
+        boxes.setdefault(name, []).append((offsets, sizes))
+    for name, _, _, flags, dtype in wants:
+        own = boxes.pop(name, None)
+        if own is None:
+            continue
+        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, own, rank, meshes)
         if entry is None:
             return None
         out.append(entry)
