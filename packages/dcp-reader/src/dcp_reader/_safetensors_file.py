@@ -16,6 +16,7 @@ from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summari
 from ._json import load_json
 from ._paths import open_regular
 from ._pread import pread_into
+from ._scatter import pread_runs
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)
 
@@ -166,15 +167,20 @@ class SafetensorsFile:
 
     def read_into(self, key: str, slices: tuple[slice, ...], itemsize: int, out: Any, *,
                   sums: BlockSums | None = None, name: str | None = None) -> bool:
-        """Read a box that is contiguous in the file straight into ``out`` (a writable uint8
-        buffer of its size): one copy, from the page cache into place. False (nothing read)
-        when the box is not contiguous, or checksums need more bytes than the box."""
+        """Read a box straight into ``out`` (a writable uint8 buffer of its size): one copy,
+        from the page cache into place; a box that is not contiguous in the file by
+        scattering reads of its runs (``_scatter``). False (nothing read) when checksums
+        still to be verified need more bytes than the box."""
         e = self.header.entries[key]
         box = _Box(e.shape, itemsize, slices)
-        if not box.contiguous:
-            return False
         if sums is not None and sums.done(box.lo, box.hi):
             sums = None
+        if not box.contiguous:
+            if sums is not None or not box.nbytes:
+                return False  # checksums are over whole blocks: read + verify the span
+            pread_runs(self._fd, out, self.header.data_start + e.start, box.run_offsets(), box.run_bytes,
+                       path=self.path, key=key)
+            return True
         if box.nbytes and sums is not None and sums.span(box.lo, box.hi, e.end - e.start) != (box.lo, box.hi):
             return False
         if box.nbytes:
@@ -250,9 +256,14 @@ class _Box:
         self._outer = k
 
     def run_offsets(self) -> Any:
+        k = self._outer
+        if k == 1:  # rows of a 2-D box, the common case: no per-run arithmetic
+            return range(self.lo, self.lo + self.sizes[0] * self.strides[0], self.strides[0])
+        return self._offsets(k)
+
+    def _offsets(self, k: int) -> Any:
         import itertools
 
-        k = self._outer
         ranges = [range(self.sizes[d]) for d in range(k)]
         base = self.lo
         for index in itertools.product(*ranges):
