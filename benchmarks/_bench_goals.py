@@ -105,7 +105,20 @@ def _execute_share(res: dict[str, Any], lay: str, mode: str, m: str, **match: An
             "on the machine's 2 shared cores")
 
 
-def _throttled(th: dict[str, Any]) -> list[list[str]]:
+def _device_floor(th: dict[str, Any], disk_bps: float | None, wall: float, floor: float) -> str:
+    """Where the simulated nodes' reads together need longer than the throttle floor on the
+    one disk they share (its cold bandwidth measured in this run), say so."""
+    if not disk_bps:
+        return ""
+    device = th["unique_bytes"] / disk_bps
+    if device <= floor:
+        return ""
+    return (f"; the simulated nodes share one disk that read {disk_bps / 1e9:.2f} GB/s cold in this run, so "
+            f"the job's {fmt_bytes(th['unique_bytes'])} take at least {device:.2f} s from it ({device / floor:.1f} x "
+            f"the throttle floor; dcp {wall / device:.2f} x that)")
+
+
+def _throttled(th: dict[str, Any], disk_bps: float | None = None) -> list[list[str]]:
     if th.get("skipped"):
         return [_row("Throttled storage (both scenarios, B = 100 and 400 MiB/s)", None,
                      f"skipped: {th['skipped']}")]
@@ -124,7 +137,8 @@ def _throttled(th: dict[str, Any]) -> list[list[str]]:
                 why = "" if ok else (
                     f"; storage accounts for {own:.2f} s of it (the bytes dcp's busiest link fetched / B"
                     + (", more than an even share" if own > FLOOR_FACTOR * floor else "")
-                    + f"), the other {wall - own:.2f} s is not storage: " + _execute_share(th, lay, scen, m, bps=bps))
+                    + f"), the other {wall - own:.2f} s is not storage: " + _execute_share(th, lay, scen, m, bps=bps)
+                    + _device_floor(th, disk_bps, wall, floor))
                 name = f"{bps / MiB:.0f} MiB/s, {thr.SCENARIO_NAMES[scen]}, {LAYOUT_NAMES[lay]}"
                 rows.append(_row(f"Throttled: dcp <= {FLOOR_FACTOR} x physical floor ({name})", ok,
                                  f"{wall:.2f} s = {wall / floor:.2f} x the floor {floor:.2f} s{why}"))
@@ -245,7 +259,8 @@ def goals(results: dict[str, Any]) -> list[str]:
         layouts = list(dict.fromkeys(r["layout"] for r in rep["runs"]))
         rows += _amplification(rep, layouts) + _cold_time(rep, layouts)
     if results.get("throttled"):
-        rows += _throttled(results["throttled"])
+        rep = results.get("replicated") or {}
+        rows += _throttled(results["throttled"], median([d["bytes_per_s"] for d in rep["disk"]]) if rep.get("disk") else None)
     else:
         rows.append(_row("Throttled storage (both scenarios)", None, "run with --scenarios throttled"))
     rows += _peers(results)
