@@ -75,6 +75,7 @@ class Watch:
         self._arrived = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
+        self._cleanup: list[str] = []  # barrier keys this rank removes on success
 
     @property
     def bounded(self) -> bool:
@@ -108,6 +109,9 @@ class Watch:
         self._thread = None
         try:
             self._store.delete_key(self._key("hb", self.rank))
+            if success:
+                for key in self._cleanup:
+                    self._store.delete_key(key)
             if success and self.rank == 0:
                 self._store.delete_key(self._key("arrived"))
                 self._store.delete_key(self._key("all"))
@@ -234,7 +238,7 @@ class Watch:
                 if self.platform.wait(handle, SLICE_S):
                     return
             except Exception as exc:
-                raise self._lost(exc) from exc
+                raise self.lost(exc) from exc
 
     def wait_event(self, event: threading.Event) -> None:
         """Wait for a local event (a read-ahead thread), raising once a failure is published."""
@@ -247,8 +251,35 @@ class Watch:
             return self.platform.all_gather_object(obj)
         return self.platform.all_gather_object(obj, waiter=self.wait)
 
-    def _lost(self, exc: BaseException) -> PeerFailure:
-        """The error to raise after a collective failed here: the dead rank's, if it is found."""
+    def barrier(self, key: str, ranks: Sequence[int]) -> None:
+        """Store barrier among ``ranks`` (a subset of the world, each calling it with the same
+        ``key``, unique within this operation): returns once all of them arrived, raises
+        ``PeerFailure`` once a failure is published (a member that died is named by the
+        heartbeats within ``STALE_S + HEARTBEAT_S``).
+
+        Used before a step that cannot itself be interrupted (connecting a new group), so
+        that a member that is dead or elsewhere cannot hold the others there. Two store
+        operations per rank, plus one for the last to arrive; the lowest rank removes the
+        keys when the operation closes successfully (every rank has passed them then).
+        """
+        if self._store is None:
+            return
+        count, done = self._key("b", key), self._key("b", key, "all")
+        if self.rank == min(ranks):
+            self._cleanup.extend((count, done))
+        if self._store.add(count, 1) >= len(ranks):
+            self._store.set(done, "1")
+        while True:
+            self.check()
+            try:
+                self._store.wait([done], timedelta(seconds=SLICE_S))
+                return
+            except RuntimeError:  # the slice expired
+                pass
+
+    def lost(self, exc: BaseException) -> PeerFailure:
+        """The error to raise after a collective failed here (a peer's connection closed):
+        the dead rank's when the heartbeats find it, else this rank's, published either way."""
         mine = f"rank {self.rank} lost a collective: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         end = time.monotonic() + self.stale_s + 2 * self.heartbeat_s
         while time.monotonic() < end and not self._aborted.is_set():
