@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dcp_platform import Platform
+from dcp_platform import PeerFailure, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,10 @@ class GroupManager:
                 group = self._platform.new_member_group(list(key), name)
             else:
                 group = self._platform.new_group(list(key))
+        except PeerFailure:
+            raise
         except Exception as exc:
-            if self._watch is None or type(exc).__name__ == "PeerFailure":
+            if self._watch is None:
                 raise
             raise self._watch.lost(exc) from exc
         stale = self._created.pop(key, None)

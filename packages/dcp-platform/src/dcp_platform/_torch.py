@@ -80,9 +80,12 @@ def _control_group_for(timeout: timedelta) -> Any:
 def _member_groups_supported() -> bool:
     """Whether ``new_member_group`` can run here (see ``TorchPlatform.new_member_group``).
 
-    Not with NCCL's communicator splitting (a default group bound to a device: a split is
-    a collective over the whole parent), TorchComms or MPI, nor where torch's group helper
-    lacks the arguments it is called with.
+    gloo and NCCL only (measured on gloo; NCCL takes the code path torch's own
+    ``new_group(use_local_synchronization=True)`` takes, untested here for want of GPUs),
+    and not with NCCL's communicator splitting (a default group bound to a device: a split
+    is a collective over the whole parent), TorchComms, or where torch's group helper lacks
+    the arguments it is called with. HCCL (Ascend) is left on the all-gathered path until
+    measured.
     """
     import inspect
 
@@ -98,8 +101,9 @@ def _member_groups_supported() -> bool:
         return False
     torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)
     default = c10d._get_default_group()
+    backends = set(str(dist.get_backend()).replace(",", ":").split(":")) - {"cpu", "cuda"}
     return (getattr(default, "bound_device_id", None) is None and not torchcomms()
-            and "mpi" not in str(dist.get_backend()))
+            and bool(backends) and backends <= {"gloo", "nccl"})
 
 
 class TorchPlatform(Platform):
