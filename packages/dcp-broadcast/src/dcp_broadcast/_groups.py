@@ -167,18 +167,18 @@ class GroupManager:
         calls on a manager), or without a watch a count of this process's ensures."""
         self._ensures += 1
         if self._watch is not None:
-            return f"{self._watch.name}/groups/{self._ensures}"
+            return f"{self._watch.name}/g{self._ensures}"
         return f"dcp-broadcast/{next(_ENSURES)}"
 
     def _create(self, key: tuple[int, ...], scope: str, *, members_only: bool) -> None:
         """Create the group for ``key``; with a watch, its members first meet at a store
         barrier bounded by the watch, so that connecting (which cannot be interrupted) only
         starts once every member is alive and there; a failure to connect is published."""
-        name = f"{scope}/{hashlib.sha1(repr(key).encode()).hexdigest()[:20]}"
+        name = f"{scope}/{hashlib.sha1(repr(key).encode()).hexdigest()[:16]}"
         member = self._platform.rank() in key
         try:
-            if member and self._watch is not None:
-                self._watch.barrier(name, key)
+            if member and self._watch is not None:  # keys under the watch's name: drop it here
+                self._watch.barrier(name.removeprefix(f"{self._watch.name}/"), key)
             if members_only:
                 group = self._platform.new_member_group(list(key), name)
             else:

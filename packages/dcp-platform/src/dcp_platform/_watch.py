@@ -12,6 +12,8 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
   by the ranks that did.
 * **Abort key** ``<name>/abort``: the first rank that fails publishes its cause (rank ->
   causes); every waiting rank sees it within ``HEARTBEAT_S`` and raises ``PeerFailure``.
+* **Barriers** ``<name>/b/<key>``: ``barrier(key, ranks)`` meets some ranks only (a new
+  group's members before they connect), bounded like every other wait.
 * **Heartbeats** ``<name>/hb/<rank>``: each rank's thread bumps its own key and watches
   its ring successor's. A successor whose key has not changed for ``STALE_S`` is named
   dead in the abort key (with at least one live rank, some live rank watches a dead one).
