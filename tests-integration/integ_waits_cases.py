@@ -93,9 +93,10 @@ class _NoMemberGroups:
 
 
 def kill_in_group_creation(rank: int, world: int, ckpts: dict[str, str], victim: int,
-                           members_only: bool) -> dict[str, Any]:
-    """``victim`` dies on its way into creating its broadcast group (members alone, or the
-    all-gathered path when ``members_only`` is False), after every rank planned."""
+                           members_only: bool, connecting: bool) -> dict[str, Any]:
+    """``victim`` dies on its way into creating its broadcast group (before the members'
+    barrier) or, with ``connecting``, as it starts connecting (after the barrier), with
+    groups made by their members alone or (``members_only`` False) the all-gathered path."""
     import dcp_load
     from dcp_broadcast import _groups
     from dcp_platform._torch import TorchPlatform
@@ -103,12 +104,23 @@ def kill_in_group_creation(rank: int, world: int, ckpts: dict[str, str], victim:
     real = _groups.GroupManager._create
 
     def create(self: Any, key: tuple[int, ...], *args: Any, **kw: Any) -> Any:
-        if rank == victim:
+        if rank == victim and not connecting:
             _kill_self()
         return real(self, key, *args, **kw)
 
+    class Killing(TorchPlatform):
+        def new_group(self, ranks: Any) -> Any:
+            if rank == victim and connecting and rank in ranks:
+                _kill_self()
+            return super().new_group(ranks)
+
+        def new_member_group(self, ranks: Any, name: str) -> Any:
+            if rank == victim and connecting:
+                _kill_self()
+            return super().new_member_group(ranks, name)
+
     _groups.GroupManager._create = create  # type: ignore[method-assign]
-    platform = TorchPlatform() if members_only else type("Gathering", (_NoMemberGroups, TorchPlatform), {})()
+    platform = Killing() if members_only else type("Gathering", (_NoMemberGroups, Killing), {})()
     state, _ = _dp_tp_state()
     return outcome(lambda: dcp_load.load(state, checkpoint_id=ckpts["good"], platform=platform,
                                          broadcast_replicated_tensors=True))
@@ -166,6 +178,7 @@ def shared_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]
     import dcp_load
     import dcp_load._digest as digest
     import torch.distributed as dist
+    from dcp_platform import Watch
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
@@ -179,18 +192,27 @@ def shared_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]
         return keys
 
     digest._count_names = count_names
+    watches: list[str] = []
+    real_enter = Watch.__enter__
+
+    def enter(self: Any) -> Any:
+        watches.append(self.name)
+        return real_enter(self)
+
+    Watch.__enter__ = enter  # type: ignore[method-assign]
     for n in (8, len(KEY_NAMES)):
         state, check = _stage_state(KEY_NAMES[:n])
-        dist.barrier()
-        before = store.num_keys()
-        del counted[:]
+        del counted[:], watches[:]
         out = outcome(lambda s=state: dcp_load.load(s, checkpoint_id=ckpts["keys"]), check)
         dist.barrier()  # every rank finished its load (and its clean-up)
-        out["keys_added"] = store.num_keys() - before
         out["counted"] = len(counted)
         out["left"] = [k for k in counted if store.check([k])]
+        out["watches"] = list(watches)
+        out["watch_left"] = [k for w in watches for k in (f"{w}/{x}" for x in (
+            "arrived", "all", "abort", "expired", *(f"hb/{r}" for r in range(world)))) if store.check([k])]
         res[f"keys_{n}"] = out
     digest._count_names = real_count
+    Watch.__enter__ = real_enter  # type: ignore[method-assign]
     dist.barrier()
 
     def late_save() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -49,9 +50,9 @@ class GroupManager:
     ``watch``: a ``dcp_platform.Watch`` entered on every rank; the manager's all-gathers
     are then bounded by it (``dcp_platform.PeerFailure`` once a peer failed or died), and
     the members of each new group meet at a bounded store barrier (``Watch.barrier``)
-    before connecting, which cannot be interrupted: only a member dying in the
-    milliseconds between that barrier and publishing its own address leaves the others
-    waiting for the group timeout.
+    before connecting, and connect on a helper thread waited on in slices (the connect
+    itself cannot be interrupted): a member that dies before or while connecting makes
+    the others raise ``PeerFailure``; their helper thread ends at the group timeout.
     """
 
     def __init__(self, platform: Platform, supplied: Mapping[tuple[int, ...], Any] | None = None, *,
@@ -172,17 +173,17 @@ class GroupManager:
 
     def _create(self, key: tuple[int, ...], scope: str, *, members_only: bool) -> None:
         """Create the group for ``key``; with a watch, its members first meet at a store
-        barrier bounded by the watch, so that connecting (which cannot be interrupted) only
-        starts once every member is alive and there; a failure to connect is published."""
+        barrier bounded by the watch, then connect (see ``_connect``); a failure to connect
+        is published."""
         name = f"{scope}/{hashlib.sha1(repr(key).encode()).hexdigest()[:16]}"
         member = self._platform.rank() in key
         try:
             if member and self._watch is not None:  # keys under the watch's name: drop it here
                 self._watch.barrier(name.removeprefix(f"{self._watch.name}/"), key)
             if members_only:
-                group = self._platform.new_member_group(list(key), name)
+                group = self._connect(key, lambda: self._platform.new_member_group(list(key), name))
             else:
-                group = self._platform.new_group(list(key))
+                group = self._connect(key, lambda: self._platform.new_group(list(key)))
         except PeerFailure:
             raise
         except Exception as exc:
@@ -193,6 +194,38 @@ class GroupManager:
         self._created[key] = group
         if stale is not None:
             self._platform.destroy_group(stale)
+
+    def _connect(self, key: tuple[int, ...], make: Any) -> Any:
+        """``make()``, which connects the group's members and cannot be interrupted. With a
+        bounded watch, a member runs it on a helper thread and waits for it in slices: a
+        member that dies while connecting makes the others raise ``PeerFailure`` (the
+        thread is then left to end at the group timeout; the connect releases the GIL,
+        measured: a ticking thread ran on while a gloo connect waited for a missing peer)."""
+        if self._watch is None or not getattr(self._watch, "bounded", False) or self._platform.rank() not in key:
+            return make()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["group"] = make()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name=f"dcp-broadcast-connect-{key}", daemon=True)
+        thread.start()
+        try:
+            self._watch.wait_event(done)
+        except PeerFailure:
+            logger.warning("rank %d: a peer failed while group %s was connecting; its connect "
+                           "ends at the group timeout", self._platform.rank(), key)
+            raise
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def get(self, ranks: Iterable[int]) -> Any:
         """The group to broadcast over for ``ranks`` (after ``ensure`` on every rank)."""
