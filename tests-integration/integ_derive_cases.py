@@ -51,13 +51,17 @@ class Counter:
         self._store = digest_module._store
         counter = self
 
-        class CountingStore:  # the tied-weights check: one add per (name, layout) a rank leads
+        class CountingStore:  # the tied-weights check: one add and one delete per (name, layout) a rank leads
             def __init__(self, inner: Any):
                 self.inner = inner
 
             def add(self, key: str, value: int) -> int:
                 counter.store_sent += len(key) + 8
                 return self.inner.add(key, value)
+
+            def delete_key(self, key: str) -> bool:
+                counter.store_sent += len(key)
+                return self.inner.delete_key(key)
 
         self.store_sent = 0
         digest_module._store = lambda: CountingStore(self._store())

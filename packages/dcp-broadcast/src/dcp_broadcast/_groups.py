@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from dcp_platform import Platform
+from dcp_platform import PeerFailure, Platform
 
 logger = logging.getLogger(__name__)
+
+# This process's count of ensures made without a watch: with every rank making the same
+# ensure calls, the n-th of every rank shares one name (the groups' rendezvous keys).
+_ENSURES = itertools.count()
 
 
 def _as_key(ranks: Iterable[int], what: str) -> tuple[int, ...]:
@@ -35,11 +42,17 @@ class GroupManager:
     every set and ``ensure`` creates nothing (the caller broadcasts over the world and
     non-members discard what they receive).
 
+    ``supplied=None`` and ``ensure(own=True)`` on a platform with
+    ``capabilities.member_groups``: groups are made by their members alone
+    (``platform.new_member_group``), with no list exchange; give ``supplied`` on every rank
+    or on none (a rank with supplied groups all-gathers, one without does not).
+
     ``watch``: a ``dcp_platform.Watch`` entered on every rank; the manager's all-gathers
-    are then bounded by it (``dcp_platform.PeerFailure`` once a peer failed or died).
-    ``new_group`` itself cannot be interrupted: it follows an all-gather that every rank
-    passed, so only a rank dying during the group's own connection setup leaves it waiting
-    for the group timeout.
+    are then bounded by it (``dcp_platform.PeerFailure`` once a peer failed or died), and
+    the members of each new group meet at a bounded store barrier (``Watch.barrier``)
+    before connecting, and connect on a helper thread waited on in slices (the connect
+    itself cannot be interrupted): a member that dies before or while connecting makes
+    the others raise ``PeerFailure``; their helper thread ends at the group timeout.
     """
 
     def __init__(self, platform: Platform, supplied: Mapping[tuple[int, ...], Any] | None = None, *,
@@ -55,6 +68,9 @@ class GroupManager:
         self._closed = False
         self._watch = watch
         self._own_done = False  # an ensure(own=True) ran: later ensures need no collective
+        self._had_supplied = supplied is not None  # then groups are gathered, never made by members alone
+        self._member_path = False  # groups were made by their members alone: close() syncs every rank
+        self._ensures = 0
 
     def _gather(self, obj: Any) -> list[Any]:
         if self._watch is not None:
@@ -94,9 +110,13 @@ class GroupManager:
 
         ``own=True``: each rank passes only the sets it is a member of, which may differ
         from rank to rank (plans each rank derives for itself): every rank calls it, even
-        with no sets, and it always all-gathers. After it, an ``ensure`` whose sets all
-        have a group returns without any collective (ranks with different sets cannot
-        agree on one), so ``broadcast_items`` can run on the ranks that have items only.
+        with no sets. After it, an ``ensure`` whose sets all have a group returns without
+        any collective (ranks with different sets cannot agree on one), so
+        ``broadcast_items`` can run on the ranks that have items only. When the platform
+        has ``capabilities.member_groups`` and the manager was made without ``supplied``
+        groups, nothing is exchanged: each rank creates its own sets with their members
+        alone, all in one sorted order (every member of a set must pass it); otherwise the
+        sets are all-gathered and created on every rank, as above.
         """
         if self._closed:
             raise RuntimeError("GroupManager.ensure called after the manager was closed")
@@ -115,24 +135,97 @@ class GroupManager:
             return
         start = time.perf_counter()
         rank = self._platform.rank()
+        scope = self._scope()
         missing_here = [k for k in keys if rank in k and not self._have(k)]
-        gathered = self._gather(missing_here)
-        missing = sorted({tuple(k) for per_rank in gathered for k in per_rank})
-        for key in missing:
-            # new_group is a collective over the whole world: every rank, same order.
-            group = self._platform.new_group(list(key))
-            stale = self._created.pop(key, None)
-            self._created[key] = group
-            if stale is not None:
-                self._platform.destroy_group(stale)
-        if missing:
-            # gloo's new_group returns on a rank before its peers finish connecting; a rank
-            # that destroyed a fresh group early (say, on an error) broke a peer's connect
-            # ("Connection closed by peer"). One all-gather keeps every rank here until all
-            # groups exist everywhere.
-            self._gather(None)
-        logger.debug("rank %d: groups ensured (%d needed, %d created) in %.4f s",
-                     rank, len(keys), len(missing), time.perf_counter() - start)
+        if own and self._members_only:
+            self._member_path = True
+            for key in missing_here:  # sorted: one global order, so no two members wait crosswise
+                self._create(key, scope, members_only=True)
+            missing = missing_here
+        else:
+            gathered = self._gather(missing_here)
+            missing = sorted({tuple(k) for per_rank in gathered for k in per_rank})
+            for key in missing:
+                # new_group is a collective over the whole world: every rank, same order.
+                self._create(key, scope, members_only=False)
+            if missing:
+                # gloo's new_group returns on a rank before its peers finish connecting; a rank
+                # that destroyed a fresh group early (say, on an error) broke a peer's connect
+                # ("Connection closed by peer"). One all-gather keeps every rank here until all
+                # groups exist everywhere.
+                self._gather(None)
+        logger.debug("rank %d: groups ensured (%d needed, %d created%s) in %.4f s", rank, len(keys),
+                     len(missing), " by their members alone" if own and self._members_only else "",
+                     time.perf_counter() - start)
+
+    @property
+    def _members_only(self) -> bool:
+        return getattr(self._platform.capabilities, "member_groups", False) and not self._had_supplied
+
+    def _scope(self) -> str:
+        """A name every rank gives this ``ensure`` alike, unique in the job's store: the
+        watch's operation name and this manager's count of ensures (each rank makes the same
+        calls on a manager), or without a watch a count of this process's ensures."""
+        self._ensures += 1
+        if self._watch is not None:
+            return f"{self._watch.name}/g{self._ensures}"
+        return f"dcp-broadcast/{next(_ENSURES)}"
+
+    def _create(self, key: tuple[int, ...], scope: str, *, members_only: bool) -> None:
+        """Create the group for ``key``; with a watch, its members first meet at a store
+        barrier bounded by the watch, then connect (see ``_connect``); a failure to connect
+        is published."""
+        name = f"{scope}/{hashlib.sha1(repr(key).encode()).hexdigest()[:16]}"
+        member = self._platform.rank() in key
+        try:
+            if member and self._watch is not None:  # keys under the watch's name: drop it here
+                self._watch.barrier(name.removeprefix(f"{self._watch.name}/"), key)
+            if members_only:
+                group = self._connect(key, lambda: self._platform.new_member_group(list(key), name))
+            else:
+                group = self._connect(key, lambda: self._platform.new_group(list(key)))
+        except PeerFailure:
+            raise
+        except Exception as exc:
+            if self._watch is None:
+                raise
+            raise self._watch.lost(exc) from exc
+        stale = self._created.pop(key, None)
+        self._created[key] = group
+        if stale is not None:
+            self._platform.destroy_group(stale)
+
+    def _connect(self, key: tuple[int, ...], make: Any) -> Any:
+        """``make()``, which connects the group's members and cannot be interrupted. With a
+        bounded watch, a member runs it on a helper thread and waits for it in slices: a
+        member that dies while connecting makes the others raise ``PeerFailure`` (the
+        thread is then left to end at the group timeout; the connect releases the GIL,
+        measured: a ticking thread ran on while a gloo connect waited for a missing peer)."""
+        if self._watch is None or not getattr(self._watch, "bounded", False) or self._platform.rank() not in key:
+            return make()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["group"] = make()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name=f"dcp-broadcast-connect-{key}", daemon=True)
+        thread.start()
+        try:
+            self._watch.wait_event(done)
+        except PeerFailure:
+            logger.warning("rank %d: a peer failed while group %s was connecting; its connect "
+                           "ends at the group timeout", self._platform.rank(), key)
+            raise
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["group"]
 
     def get(self, ranks: Iterable[int]) -> Any:
         """The group to broadcast over for ``ranks`` (after ``ensure`` on every rank)."""
@@ -166,7 +259,9 @@ class GroupManager:
         try:
             # In-flight device work may still use a group; destroy it only once finished.
             self._platform.synchronize()
-            if created and wait_for_peers and self._platform.is_distributed():
+            # Groups made by their members alone: a rank that created none does not know
+            # whether others did, so every rank that used that path syncs (all do alike).
+            if (created or self._member_path) and wait_for_peers and self._platform.is_distributed():
                 self._gather(None)
         finally:
             errors = []

@@ -1,8 +1,8 @@
 """Failing together within bounded time: one ``Coordinator`` per ``load``.
 
-It wraps a ``dcp_platform.Watch`` named ``dcp-load/<n>``, where ``n`` counts this
-process's collective loads (every rank calls ``load`` the same number of times, so the
-n-th load of every rank shares one name). Every wait of the load goes through it:
+It wraps a ``dcp_platform.Watch`` named ``dcp-load/<n>`` (``dcp-save/<n>`` for ``save``),
+where ``n`` counts this process's collective loads and saves (every rank calls them the
+same number of times, so the n-th of every rank shares one name). Every wait of the load goes through it:
 
 * ``arrive()`` bounds the wait for the other ranks to enter ``load`` by ``timeout``;
 * ``exchange`` (the error exchange) and the broadcasts wait in slices, checking for a
@@ -35,27 +35,28 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 _LOADS = itertools.count()
 
 
-def timeout_seconds(timeout: Any) -> float:
-    """``timeout=`` as seconds (a ``timedelta`` or a positive number)."""
+def timeout_seconds(timeout: Any, what: str = "load") -> float:
+    """``timeout=`` of ``what`` (``load``/``save``) as seconds (a ``timedelta`` or a positive number)."""
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
-        raise ValueError(f"load: timeout must be a datetime.timedelta or a number of seconds > 0, "
+        raise ValueError(f"{what}: timeout must be a datetime.timedelta or a number of seconds > 0, "
                          f"got {timeout!r}")
     return float(seconds)
 
 
 class Coordinator:
-    """Arrival barrier, bounded waits and failure publication for one load on one rank."""
+    """Arrival barrier, bounded waits and failure publication for one load (or ``save``,
+    ``operation="save"``: watch ``dcp-save/<n>``, phase ``"save"``) on one rank."""
 
-    def __init__(self, platform: Any, *, collective: bool, timeout: float):
+    def __init__(self, platform: Any, *, collective: bool, timeout: float, operation: str = "load"):
         self.platform, self.timeout = platform, timeout
-        self.phase = "validate"
+        self.phase = "validate" if operation == "load" else operation
         self.watch: Any = None
         self._shared = False  # the error being raised is already known to every rank
         if collective:
             from dcp_platform import Watch
 
-            self.watch = Watch(platform, f"dcp-load/{next(_LOADS)}")
+            self.watch = Watch(platform, f"dcp-{operation}/{next(_LOADS)}")
 
     def __enter__(self) -> Coordinator:
         if self.watch is not None:

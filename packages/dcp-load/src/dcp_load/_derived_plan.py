@@ -54,11 +54,12 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
 
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
-                 custom_planner: bool) -> GlobalPlan | None:
+                 custom_planner: bool, watch: Any = None) -> GlobalPlan | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
-    dict value of each name; ``settings``: what shapes the collectives (compared by hash).
+    dict value of each name; ``settings``: what shapes the collectives (compared by hash);
+    ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
@@ -81,7 +82,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
               "must see the same")]
     decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
-                    entries=entries or [], host=host, local_world=local_world)
+                    entries=entries or [], host=host, local_world=local_world, watch=watch)
     if not decided.derived:
         logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
         return None
@@ -89,7 +90,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     hosts: list[Any] | None = None
     if broadcast:
         hosts = ([r // local_world for r in range(world)] if decided.hosts_derived
-                 else gather_hosts(platform, host))
+                 else gather_hosts(platform, host, watch))
     plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
                          same_host_reads=same_host_reads)
     logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,
@@ -99,9 +100,10 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
 
 
 def ensure_groups(platform: Any, plan: GlobalPlan, groups: Any, watch: Any = None) -> tuple[Any, bool]:
-    """A group manager holding every group this rank's broadcasts need, made on every rank
-    (each rank knows only its own broadcasts, so the sets are gathered: ``own=True``).
-    Returns (manager, whether the caller must close it)."""
+    """A group manager holding every group this rank's broadcasts need (``own=True``: each
+    rank knows only its own broadcasts; the members of each group make it alone where the
+    platform can, else the sets are gathered). Returns (manager, whether the caller must
+    close it)."""
     from dcp_broadcast import GroupManager
 
     manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)

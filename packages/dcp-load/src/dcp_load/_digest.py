@@ -22,8 +22,13 @@ A name held on two meshes that do not know each other (a tied embedding on the f
 last pipeline stages) passes both checks, since each mesh is consistent in itself: so one
 holder of each (name, layout), chosen by the name's hash, counts it in the job's store
 (``TCPStore.add`` under a key shared through the first all-reduce), and a third
-all-reduce (MAX of "a name was counted twice") sends such a job to the gathered path. The
-store traffic per rank is the names it leads: about tensors / holders per mesh.
+all-reduce (MAX of "a name was counted twice") sends such a job to the gathered path;
+after it each leader deletes its keys. Layouts held by every rank are not counted. The
+store traffic per rank is the names it leads, each added and deleted: about tensors /
+holders per mesh, for names not held by the whole world.
+
+With a ``watch`` (``dcp_platform.Watch``), every all-reduce and gather here waits in
+slices bounded by it: a rank that died makes the others raise ``PeerFailure``.
 
 Only on a mismatch do ranks gather details (to name the ranks that differ, in a
 ``LoadError`` raised on every rank), and only when hosts cannot be derived do they gather
@@ -146,23 +151,32 @@ def _torch(platform: Any) -> bool:
     return getattr(platform, "name", "") in ("torch", "ascend")
 
 
-def all_reduce(platform: Any, lanes: Sequence[int], op: str) -> list[int]:
-    """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU."""
+def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> list[int]:
+    """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU; with ``watch``
+    (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died)."""
     if _torch(platform):
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(list(lanes), dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=control_group(platform))
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                               group=control_group(platform), async_op=True)
+        if watch is not None:
+            watch.wait(work)
+        else:
+            work.wait()
         return [int(v) for v in t.tolist()]
     # Other platforms gather (each rank still sends only its lanes) and reduce here.
-    gathered = platform.all_gather_object(list(lanes))
+    gathered = gather(platform, list(lanes), watch)
     reduce = max if op == "max" else sum
     return [reduce(col) for col in zip(*gathered, strict=True)]
 
 
-def gather(platform: Any, obj: Any) -> list[Any]:
-    """All-gather a small object over the control group."""
+def gather(platform: Any, obj: Any, watch: Any = None) -> list[Any]:
+    """All-gather a small object over a CPU group: with ``watch``, the platform's bounded
+    all-gather (over its own host-memory control group), else this module's control group."""
+    if watch is not None:
+        return watch.gather(obj)
     if _torch(platform):
         import torch.distributed as dist
 
@@ -172,9 +186,9 @@ def gather(platform: Any, obj: Any) -> list[Any]:
     return platform.all_gather_object(obj)
 
 
-def gather_hosts(platform: Any, host: str) -> list[str]:
+def gather_hosts(platform: Any, host: str, watch: Any = None) -> list[str]:
     """Every rank's host id (the fallback when hosts cannot be derived)."""
-    return [str(h) for h in gather(platform, host)]
+    return [str(h) for h in gather(platform, host, watch)]
 
 
 def local_world_size() -> int:
@@ -200,26 +214,33 @@ class Agreement:
 
 
 def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, failed: bool,
-          entries: Sequence[Derived], host: str, local_world: int) -> Agreement:
+          entries: Sequence[Derived], host: str, local_world: int, watch: Any = None) -> Agreement:
     """The digest exchange (module docstring); raises ``LoadError`` on every rank when
     derivable ranks disagree. ``equal``: (hash, what it stands for, shown on a mismatch)
-    for metadata, settings and host mode, which every rank must share."""
+    for metadata, settings and host mode, which every rank must share. ``watch``: bounds
+    every wait (a dead rank raises ``PeerFailure`` on the others)."""
     rank, world = platform.rank(), platform.world_size()
     shown = [text for _, text in equal]
     equal = [int(v) % PRIME for v, _ in equal]
     nonce = secrets.randbelow(PRIME)
-    top = all_reduce(platform, [*equal, *(-v for v in equal), -int(derivable), int(failed), nonce], "max")
+    top = all_reduce(platform, [*equal, *(-v for v in equal), -int(derivable), int(failed), nonce], "max", watch)
     n = len(equal)
     same = all(top[i] == -top[n + i] for i in range(n))
     if top[2 * n + 1] or top[2 * n] != -1:  # a rank failed or cannot derive: the gathered path
         return Agreement(False, False)
-    keys = _count_names(entries, rank, top[2 * n + 2]) if same else []
-    holders = holder_lane(entries, rank)
-    hosts = host_lane(host, rank, world, local_world) if local_world else 0
-    sums = all_reduce(platform, [*_split(holders), *_split(hosts)], "sum")  # also: every count is in
-    if not same or _join(sums[0], sums[1]) != 0:
-        raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries), "validate")
-    if all_reduce(platform, [_twice(keys)], "max")[0]:
+    keys = _count_names(entries, rank, world, top[2 * n + 2]) if same else []
+    try:
+        holders = holder_lane(entries, rank)
+        hosts = host_lane(host, rank, world, local_world) if local_world else 0
+        sums = all_reduce(platform, [*_split(holders), *_split(hosts)], "sum", watch)  # also: every count is in
+        if not same or _join(sums[0], sums[1]) != 0:
+            raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries, watch),
+                            "validate")
+        # Every rank reads its counts before it joins this all-reduce: after it, none reads.
+        twice = all_reduce(platform, [_twice(keys)], "max", watch)[0]
+    finally:
+        _forget(keys)
+    if twice:
         logger.debug("rank %d: a tensor is held on two meshes (tied weights); gathering wants", rank)
         return Agreement(False, False)
     return Agreement(True, local_world > 0 and _join(sums[2], sums[3]) == 0)
@@ -231,11 +252,15 @@ def _store() -> Any:
     return distributed_c10d._get_default_store()
 
 
-def _count_names(entries: Sequence[Derived], rank: int, nonce: int) -> list[str]:
-    """Count, in the store, every (name, layout) this rank leads; returns the keys."""
+def _count_names(entries: Sequence[Derived], rank: int, world: int, nonce: int) -> list[str]:
+    """Count, in the store, every (name, layout) this rank leads; returns the keys.
+
+    A layout held by every rank (plain tensors, world-replicated DTensors) is not counted:
+    a second layout of its name would need ranks outside the world (a rank holds one entry
+    per name, and the holders check already fails when ranks disagree on its layout)."""
     store, keys = _store(), []
     for e in entries:
-        if e.holders and e.holders[digest(e.name) % len(e.holders)] == rank:
+        if len(e.holders) < world and e.holders and e.holders[digest(e.name) % len(e.holders)] == rank:
             key = f"dcp_load/{nonce:x}/{digest(e.name):x}"
             store.add(key, 1)
             keys.append(key)
@@ -248,14 +273,26 @@ def _twice(keys: Sequence[str]) -> int:
     return int(any(store.add(key, 0) > 1 for key in keys))
 
 
+def _forget(keys: Sequence[str]) -> None:
+    """Remove this rank's counts from the store (two leaders of one name both try: fine)."""
+    if not keys:
+        return
+    store = _store()
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception as exc:  # noqa: BLE001 - a leftover key is harmless (unique per load): log it
+            logger.debug("could not remove %s from the store: %r", key, exc)
+
+
 def _summary(e: Derived) -> tuple[Any, ...]:
     return (e.shape, e.dtype, e.flags, _layout_hash(e.layout))
 
 
-def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Sequence[Derived]
-                 ) -> dict[int, list[str]]:
+def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Sequence[Derived],
+                 watch: Any = None) -> dict[int, list[str]]:
     """Gather every rank's digest and entries (only after a mismatch) and name who differs."""
-    details = gather(platform, (list(equal), {e.name: (_summary(e), e.holders) for e in entries}))
+    details = gather(platform, (list(equal), {e.name: (_summary(e), e.holders) for e in entries}), watch)
     out: dict[int, list[str]] = {}
     for i in range(len(equal)):
         if len({d[0][i][0] for d in details}) > 1:  # every rank shows its value: who differs is a majority call

@@ -285,7 +285,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, wants, by_value,
                             failed=bool(errors), settings=settings, broadcast=broadcast,
                             same_host_reads=broadcast_replicated_tensors == AUTO,
-                            custom_planner=planner is not None) if collective else None
+                            custom_planner=planner is not None, watch=coord.waiter) if collective else None
         derived = plan is not None
         if plan is None:  # the gathered path
             gathered, hosts = _gather_wants(coord, errors, collective, wants, settings, broadcast, reader)

@@ -6,7 +6,9 @@ derives the same layout (one writer per distinct box, balanced by bytes with the
 planner's greedy rule) and checks it tiles every tensor; each writer writes one data file;
 after an exchange that shows every rank finished, rank 0 writes the metadata last and
 atomically, and a final exchange returns its outcome to everyone. A save interrupted at
-any point leaves no metadata, which readers report as an unfinished save.
+any point leaves no metadata, which readers report as an unfinished save. Every wait is
+bounded by a ``Coordinator`` (``dcp-save/<n>``): arrival within ``timeout``, and each
+exchange aborted once a rank published a failure or stopped beating.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._errors import LoadError
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
@@ -100,6 +103,7 @@ def save(
     no_dist: bool = False,
     allow_pickle: bool = False,
     platform: Any = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> SaveReport:
     """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format.
 
@@ -108,28 +112,32 @@ def save(
     several ranks are written once, by the holder with the fewest bytes so far. Non-tensor
     values are taken from rank 0; values that are not JSON need ``allow_pickle=True``.
     A failure on any rank raises ``LoadError`` (phase ``"save"``) on every rank.
+
+    ``timeout`` (a ``timedelta`` or seconds, default 10 minutes): how long ranks that
+    entered ``save`` wait for the others. Every exchange of the save is bounded as in
+    ``load``: a rank that fails, dies or never arrives makes the others raise ``LoadError``
+    naming it (within about 15 s for a dead rank) instead of waiting in the next exchange.
     """
     if checkpoint_id is None:
         raise ValueError("save: checkpoint_id= (the directory to write) is required")
-    from dcp_reader import CheckpointMetadata, NativeWriter
-
+    wait_s = timeout_seconds(timeout, "save")
     start = time.perf_counter()
     path = os.path.abspath(os.fspath(checkpoint_id))
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
     check_launch(platform, no_dist, "save")
-    rank = platform.rank()
     collective = not no_dist and platform.is_distributed()
-    world = platform.world_size() if collective else 1
-    me = rank if collective else 0
+    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
+        coord.arrive()
+        return _save(coord, platform, collective, leaves, path, allow_pickle, start)
 
-    errors: list[str] = []
+
+def _hold(leaves: list[Any], writer: Any, me: int, errors: list[str]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """(this rank's holdings, targets by name, non-tensor values); errors are recorded."""
     holdings: list[tuple[Any, ...]] = []
-    targets = {}
-    values = {}
-    writer = None
+    targets: dict[str, Any] = {}
+    values: dict[str, Any] = {}
     try:
-        writer = NativeWriter(path, allow_pickle=allow_pickle)
         if me == 0:
             writer.invalidate()  # before any rank writes: old metadata must not describe new files
         for leaf in leaves:
@@ -143,7 +151,25 @@ def save(
                 values[leaf.name] = leaf.value
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
-    gathered = exchange(platform, errors, "save", collective=collective, payload=(holdings, sorted(values)))
+    return holdings, targets, values
+
+
+def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
+          allow_pickle: bool, start: float) -> SaveReport:
+    """``save`` once every rank arrived; every exchange is bounded by ``coord``."""
+    from dcp_reader import CheckpointMetadata, NativeWriter
+
+    rank = platform.rank()
+    world = platform.world_size() if collective else 1
+    me = rank if collective else 0
+    errors: list[str] = []
+    writer = None
+    try:
+        writer = NativeWriter(path, allow_pickle=allow_pickle)
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"{type(exc).__name__}: {exc}")
+    holdings, targets, values = _hold(leaves, writer, me, errors) if writer is not None else ([], {}, {})
+    gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=(holdings, sorted(values)))
     gathered = [(h, v) for h, v in gathered]
 
     tensors, per_rank, failures = _layout(gathered)
@@ -174,14 +200,14 @@ def save(
             value_meta = writer.write_values(values)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
-    exchange(platform, errors, "save", collective=collective)
+    coord.exchange(exchange, errors, "save", collective=collective)
 
     if me == 0:
         try:
             writer.commit(CheckpointMetadata(tensors=tensors, values=value_meta, format="native"))
         except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
             errors.append(f"commit: {type(exc).__name__}: {exc}")
-    exchange(platform, errors, "save", collective=collective)
+    coord.exchange(exchange, errors, "save", collective=collective)
     seconds = time.perf_counter() - start
     logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", rank, written, nbytes, path, seconds)
     return SaveReport(rank=rank, world_size=world, path=path, tensors=len(tensors), chunks_written=written,

@@ -46,6 +46,8 @@ class Capabilities:
     ``device_type``: where staging buffers live by default (``"cpu"``, ``"cuda"``, ``"npu"``).
     ``async_overlap``: in-flight broadcasts progress concurrently (False on gloo, where
     asynchronous small broadcasts were measured not to overlap).
+    ``member_groups``: ``new_member_group`` works: a group is created by its members alone,
+    with no call on other ranks and no exchange of rank lists.
     """
 
     subgroups: bool
@@ -53,6 +55,7 @@ class Capabilities:
     host_collectives: bool
     device_type: str
     async_overlap: bool = True
+    member_groups: bool = False
 
 
 class Platform(abc.ABC):
@@ -121,6 +124,17 @@ class Platform(abc.ABC):
         Every rank must call it, in the same order as every other rank. Raises
         ``NotImplementedError`` when ``capabilities.subgroups`` is False.
         """
+
+    def new_member_group(self, ranks: Sequence[int], name: str) -> Any:
+        """Collective over ``ranks`` only: create a group of exactly ``ranks`` (sorted, unique).
+
+        Only members call it; non-members do nothing. ``name`` is the same on every member
+        and unique in the job (it keys the group's rendezvous). A rank that creates several
+        such groups must create them in one order shared by all ranks (for example sorted
+        rank tuples), so that no two members wait on each other in different orders.
+        Raises ``NotImplementedError`` unless ``capabilities.member_groups``.
+        """
+        raise self._unsupported("groups created by their members alone (new_member_group)")
 
     @abc.abstractmethod
     def destroy_group(self, group: Any) -> None:

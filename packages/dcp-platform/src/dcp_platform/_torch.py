@@ -77,6 +77,35 @@ def _control_group_for(timeout: timedelta) -> Any:
     return group
 
 
+def _member_groups_supported() -> bool:
+    """Whether ``new_member_group`` can run here (see ``TorchPlatform.new_member_group``).
+
+    gloo and NCCL only (measured on gloo; NCCL takes the code path torch's own
+    ``new_group(use_local_synchronization=True)`` takes, untested here for want of GPUs),
+    and not with NCCL's communicator splitting (a default group bound to a device: a split
+    is a collective over the whole parent), TorchComms, or where torch's group helper lacks
+    the arguments it is called with. HCCL (Ascend) is left on the all-gathered path until
+    measured.
+    """
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None or not hasattr(c10d._world, "pg_group_ranks"):
+        return False
+    needed = {"group_size", "group_rank", "global_ranks_in_group", "backend", "store", "group_name", "timeout"}
+    if not needed <= set(inspect.signature(helper).parameters):
+        return False
+    torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)
+    default = c10d._get_default_group()
+    backends = set(str(dist.get_backend()).replace(",", ":").split(":")) - {"cpu", "cuda"}
+    return (getattr(default, "bound_device_id", None) is None and not torchcomms()
+            and bool(backends) and backends <= {"gloo", "nccl"})
+
+
 class TorchPlatform(Platform):
     """torch.distributed over gloo (host tensors) or NCCL (CUDA tensors).
 
@@ -108,6 +137,7 @@ class TorchPlatform(Platform):
             host_collectives=host,
             device_type=self._device.type,
             async_overlap=self._device.type != "cpu",
+            member_groups=_member_groups_supported(),
         )
 
     def _default_device(self) -> torch.device:
@@ -224,6 +254,36 @@ class TorchPlatform(Platform):
         if not key or key[0] < 0 or key[-1] >= world:
             raise ValueError(f"new_group: ranks {list(key)} out of range for world size {world}")
         group = dist.new_group(ranks=list(key), timeout=self._group_timeout)
+        self._created[key] = group
+        return group
+
+    def new_member_group(self, ranks: Sequence[int], name: str) -> Any:
+        """A group of exactly ``ranks``, created by its members alone (``Platform``).
+
+        ``torch.distributed.new_group(use_local_synchronization=True)`` lets only members
+        call it, but names the group from the ranks and this process's count of groups,
+        which differs between members that belong to different groups: two overlapping
+        groups created that way waited for each other until killed (3 gloo ranks, groups
+        (0, 1), (0, 2), (1, 2) in one sorted order). So the group is made by torch's own
+        group helper under ``name``, which every member passes alike.
+        """
+        from torch.distributed import distributed_c10d as c10d
+
+        key = tuple(ranks)
+        if not self._caps.member_groups:
+            raise self._unsupported("groups created by their members alone (new_member_group)")
+        world, me = self.world_size(), self.rank()
+        if list(key) != sorted(set(key)) or not key or key[0] < 0 or key[-1] >= world:
+            raise ValueError(f"new_member_group: ranks must be sorted, unique and in range for world "
+                             f"size {world}, got {list(key)}")
+        if me not in key:
+            raise ValueError(f"new_member_group: rank {me} is not in {list(key)}; only members call it")
+        out = c10d._new_process_group_helper(
+            group_size=len(key), group_rank=key.index(me), global_ranks_in_group=list(key),
+            backend=c10d.Backend(dist.get_backend()), store=c10d._get_default_store(),
+            group_name=f"dcp:{name}", timeout=self._group_timeout)
+        group = out[0] if isinstance(out, tuple) else out
+        c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(key)}
         self._created[key] = group
         return group
 

@@ -12,6 +12,8 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
   by the ranks that did.
 * **Abort key** ``<name>/abort``: the first rank that fails publishes its cause (rank ->
   causes); every waiting rank sees it within ``HEARTBEAT_S`` and raises ``PeerFailure``.
+* **Barriers** ``<name>/b/<key>``: ``barrier(key, ranks)`` meets some ranks only (a new
+  group's members before they connect), bounded like every other wait.
 * **Heartbeats** ``<name>/hb/<rank>``: each rank's thread bumps its own key and watches
   its ring successor's. A successor whose key has not changed for ``STALE_S`` is named
   dead in the abort key (with at least one live rank, some live rank watches a dead one).
@@ -75,6 +77,7 @@ class Watch:
         self._arrived = threading.Event()
         self._thread: threading.Thread | None = None
         self._beats = 0
+        self._cleanup: list[str] = []  # barrier keys this rank removes on success
 
     @property
     def bounded(self) -> bool:
@@ -108,6 +111,9 @@ class Watch:
         self._thread = None
         try:
             self._store.delete_key(self._key("hb", self.rank))
+            if success:
+                for key in self._cleanup:
+                    self._store.delete_key(key)
             if success and self.rank == 0:
                 self._store.delete_key(self._key("arrived"))
                 self._store.delete_key(self._key("all"))
@@ -234,7 +240,7 @@ class Watch:
                 if self.platform.wait(handle, SLICE_S):
                     return
             except Exception as exc:
-                raise self._lost(exc) from exc
+                raise self.lost(exc) from exc
 
     def wait_event(self, event: threading.Event) -> None:
         """Wait for a local event (a read-ahead thread), raising once a failure is published."""
@@ -247,8 +253,35 @@ class Watch:
             return self.platform.all_gather_object(obj)
         return self.platform.all_gather_object(obj, waiter=self.wait)
 
-    def _lost(self, exc: BaseException) -> PeerFailure:
-        """The error to raise after a collective failed here: the dead rank's, if it is found."""
+    def barrier(self, key: str, ranks: Sequence[int]) -> None:
+        """Store barrier among ``ranks`` (a subset of the world, each calling it with the same
+        ``key``, unique within this operation): returns once all of them arrived, raises
+        ``PeerFailure`` once a failure is published (a member that died is named by the
+        heartbeats within ``STALE_S + HEARTBEAT_S``).
+
+        Used before a step that cannot itself be interrupted (connecting a new group), so
+        that a member that is dead or elsewhere cannot hold the others there. Two store
+        operations per rank, plus one for the last to arrive; the lowest rank removes the
+        keys when the operation closes successfully (every rank has passed them then).
+        """
+        if self._store is None:
+            return
+        count, done = self._key("b", key), self._key("b", key, "all")
+        if self.rank == min(ranks):
+            self._cleanup.extend((count, done))
+        if self._store.add(count, 1) >= len(ranks):
+            self._store.set(done, "1")
+        while True:
+            self.check()
+            try:
+                self._store.wait([done], timedelta(seconds=SLICE_S))
+                return
+            except RuntimeError:  # the slice expired
+                pass
+
+    def lost(self, exc: BaseException) -> PeerFailure:
+        """The error to raise after a collective failed here (a peer's connection closed):
+        the dead rank's when the heartbeats find it, else this rank's, published either way."""
         mine = f"rank {self.rank} lost a collective: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         end = time.monotonic() + self.stale_s + 2 * self.heartbeat_s
         while time.monotonic() < end and not self._aborted.is_set():
