@@ -5,7 +5,8 @@ where ``n`` counts this process's collective loads and saves (every rank calls t
 same number of times, so the n-th of every rank shares one name). Every wait of the load goes through it:
 
 * ``arrive()`` bounds the wait for the other ranks to enter ``load`` by ``timeout``;
-* ``exchange`` (the error exchange) and the broadcasts wait in slices, checking for a
+* ``check`` (the error check: one fixed-size all-reduce), ``exchange`` (an all-gather,
+  where payloads differ per rank) and the broadcasts wait in slices, checking for a
   failure another rank published, and name a dead rank from the heartbeats;
 * leaving on any exception publishes this rank's cause, so that the others raise
   ``LoadError`` within a few seconds instead of waiting in their next collective.
@@ -105,3 +106,26 @@ class Coordinator:
         except LoadError:
             self._shared = True
             raise
+
+    def check(self, errors: Sequence[str], phase: str, *, collective: bool, sums: Sequence[int] = ()) -> list[int]:
+        """Raise ``LoadError`` on every rank when any rank has ``errors``; else return the
+        job-wide sums of ``sums``. One fixed-size all-reduce (bounded by the watch) carries a
+        failure count and the sums: each rank receives a few bytes whatever the world size,
+        where gathering every rank's (empty) error list grew with it. Messages are gathered
+        only after a failure, to name every failing rank."""
+        if not collective:
+            self.exchange(_exchange(), errors, phase, collective=False)
+            return [int(v) for v in sums]
+        from ._digest import all_reduce
+
+        self.phase = phase
+        lanes = all_reduce(self.platform, [int(bool(errors)), *(int(v) for v in sums)], "sum", self.watch)
+        if lanes[0]:
+            self.exchange(_exchange(), errors, phase, collective=True)  # some rank failed: raises
+        return lanes[1:]
+
+
+def _exchange() -> Any:
+    from ._validate import exchange
+
+    return exchange

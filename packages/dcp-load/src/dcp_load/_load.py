@@ -300,7 +300,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         phases.progress.plan(plan, me, len(targets))
 
         errs, got = check_reads(reader, reads, values)
-        coord.exchange(exchange, errs, "validate", collective=collective)
+        coord.check(errs, "validate", collective=collective)
         phases.end("validate")
 
         by_name = {t.name: t for t in targets}
@@ -320,8 +320,8 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
             groups.close()
         phases.end("execute", stats.bytes_read + stats.bytes_received)
 
-        job_read = coord.exchange(exchange, stats.errors, "execute", collective=collective,
-                                  payload=(stats.bytes_read, plan.unique_bytes))
+        job_read, job_unique = coord.check(stats.errors, "execute", collective=collective,
+                                           sums=(stats.bytes_read, plan.unique_bytes))
         for leaf in values:
             leaf.replace(got[leaf.name])
         phases.end("finish")
@@ -336,8 +336,8 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         tensors=len(targets), values=len(values),
         bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
-        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=sum(b for b, _ in job_read),
-        job_unique_bytes=sum(u for _, u in job_read) if derived else plan.unique_bytes, seconds=seconds,
+        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=job_read,
+        job_unique_bytes=job_unique if derived else plan.unique_bytes, seconds=seconds,
         missing=tuple(missing), cast=tuple(cast), skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
     )
     phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)

@@ -200,14 +200,14 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
             value_meta = writer.write_values(values)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
-    coord.exchange(exchange, errors, "save", collective=collective)
+    coord.check(errors, "save", collective=collective)
 
     if me == 0:
         try:
             writer.commit(CheckpointMetadata(tensors=tensors, values=value_meta, format="native"))
         except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
             errors.append(f"commit: {type(exc).__name__}: {exc}")
-    coord.exchange(exchange, errors, "save", collective=collective)
+    coord.check(errors, "save", collective=collective)
     seconds = time.perf_counter() - start
     logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", rank, written, nbytes, path, seconds)
     return SaveReport(rank=rank, world_size=world, path=path, tensors=len(tensors), chunks_written=written,
