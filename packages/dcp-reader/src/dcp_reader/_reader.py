@@ -22,6 +22,7 @@ from ._errors import (
     UnsafePickleError,
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
+from ._hash_worker import HashWorker
 from ._hf import load_hf
 from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import load_hyper
@@ -72,6 +73,9 @@ class CheckpointReader:
         self._bytes_read = 0
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         self._pickles: dict[str, dict[str, Any]] = {}
+        # hashes verified blocks while the next ones are read; its thread starts with the
+        # first verified read of more than one piece and stops in close()
+        self._hasher = HashWorker()
 
     @property
     def bytes_read(self) -> int:
@@ -93,6 +97,7 @@ class CheckpointReader:
             f.close()
         self._blob = None
         self._pickles.clear()
+        self._hasher.close()
 
     def _open(self, name: str, key: str | None) -> Any:
         f = self._files.get(name)
@@ -156,9 +161,9 @@ class CheckpointReader:
             return self._read_dcp(t.dtype, name, chunk, sl, framework)
         f, sums = self._safetensors(name, t.dtype, chunk)
         if framework == "torch":
-            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name)
+            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
         else:
-            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name)
+            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
             if framework == "mindspore":
                 out = numpy_to_mindspore(out, t.dtype)
         self._bytes_read += math.prod(sizes) * t.itemsize
@@ -174,7 +179,7 @@ class CheckpointReader:
         raw = _raw_bytes(out, tuple(sizes), t.itemsize)
         if raw is not None and self.format != "torch-dcp":
             f, sums = self._safetensors(name, t.dtype, chunk)
-            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name):
+            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name, worker=self._hasher):
                 self._bytes_read += math.prod(sizes) * t.itemsize
                 return
         framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"

@@ -51,7 +51,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
                     f, sums = r._safetensors(name, t.dtype, c)
                     if sums is not None:
                         with_sums += 1
-                        verified += f.verify_entry(c.key, sums, name=name)
+                        verified += f.verify_entry(c.key, sums, name=name, worker=r._hasher)
                 except CheckpointError as e:
                     problems.append(str(e))
         return VerifyReport(path=r.path, format=r.format, tensors=len(meta.tensors), chunks=chunks,
