@@ -277,9 +277,9 @@ def _value_checksums(doc: dict[str, Any]) -> dict[str, Any]:
     sums = _obj(doc, "value_checksums")
     orphans = sorted(set(sums) - set(_obj(doc, "values")))
     if orphans:
-        raise MetadataError(f"value_checksums names value(s) the metadata does not hold: {summarise(orphans)}; "
-                            "the metadata file is corrupt: re-copy or re-save the checkpoint", key=orphans[0],
-                            offenders=orphans)
+        shown = summarise([repr(n) for n in orphans])
+        raise MetadataError(f"value_checksums names value(s) the metadata does not hold: {shown}; the metadata "
+                            "file is corrupt: re-copy or re-save the checkpoint", key=orphans[0], offenders=orphans)
     return sums
 
 
