@@ -1,9 +1,9 @@
 """Block checksums verified as the blocks are read (``read_verified``): pieces hashed on the
-reader's HashWorker thread while the next piece is read, or inline. A corrupt block in the
+reader's HashWorker thread while the next block is read, or inline. A corrupt block in the
 middle, at the end, in a short last block, through narrowed and strided reads, into numpy
 and torch destinations, is a ChecksumError naming file, tensor, key and block, raised before
 the read returns; each block is hashed once per reader; the worker thread starts only for
-multi-piece reads and is joined by close() (or when a reader is dropped without close);
+multi-block reads and is joined by close() (or when a reader is dropped without close);
 a failed read leaves no job running. Property-based: a read fails exactly when the block
 span it touches holds a corrupted byte (small blocks and pieces so many cases run fast)."""
 
@@ -115,13 +115,15 @@ def test_narrowed_reads_verify_only_the_blocks_they_touch(four_blocks):
 def test_each_block_is_hashed_once_per_reader(four_blocks, monkeypatch):
     path, t = four_blocks
     calls = []
-    real = xxhash.xxh3_64
 
-    def counting(*a):
-        calls.append(1)
-        return real(*a)
+    def counting(real):
+        def f(*a):
+            calls.append(1)
+            return real(*a)
+        return f
 
-    monkeypatch.setattr(xxhash, "xxh3_64", counting)
+    monkeypatch.setattr(xxhash, "xxh3_64", counting(xxhash.xxh3_64))  # blocks hashed while read
+    monkeypatch.setattr(xxhash, "xxh3_64_intdigest", counting(xxhash.xxh3_64_intdigest))  # on the worker
     with open_checkpoint(path) as r:
         c = r.metadata.tensors["w"].chunks[0]
         out = torch.empty(t.shape)
@@ -145,9 +147,9 @@ def test_the_hash_thread_starts_for_multi_piece_reads_and_stops_with_the_reader(
         assert not _hash_threads()  # hashed inline
     with open_checkpoint(path) as r:
         c = r.metadata.tensors["w"].chunks[0]
-        r.read("w", c, (0, 0), (1, 1))  # one 4 MiB block: four pieces
-        assert len(_hash_threads()) == 1
-        r.read("w", c, (0, 0), tuple(t.shape))
+        r.read("w", c, (0, 0), (1, 1))  # one 4 MiB block: the last of its read, hashed here
+        assert not _hash_threads()
+        r.read("w", c, (0, 0), tuple(t.shape))  # blocks 1-2 can be hashed while 2-3 are read
         assert len(_hash_threads()) == 1
     assert not _hash_threads()  # close() joined it
     r = open_checkpoint(path)
@@ -173,18 +175,31 @@ def test_a_file_truncated_mid_read_leaves_no_job_running(four_blocks):
     assert not _hash_threads()
 
 
-def test_a_failing_job_is_raised_by_drain():
+def test_a_failing_job_is_raised_by_finish_and_the_thread_survives():
     from dcp_reader._hash_worker import HashWorker
 
     w = HashWorker()
-    w.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        w.drain()
-    seen = []
-    w.submit(seen.append, 1)
-    w.drain()  # the thread survived the failing job
-    assert seen == [1]
+        w.finish([w.submit(lambda: 1 / 0), w.submit(lambda: 2)])
+    assert w.finish([w.submit(lambda x: x + 1, 1)]) == [2]  # the thread survived the failing job
+    assert len(_hash_threads()) == 1
     w.close()
+    w.close()
+    assert not _hash_threads()
+
+
+def test_finish_runs_jobs_the_thread_has_not_started():
+    from dcp_reader._hash_worker import HashWorker
+
+    w = HashWorker()
+    gate = threading.Event()
+    ran = []
+    blocker = w.submit(gate.wait)  # holds the thread
+    jobs = [w.submit(lambda i=i: ran.append((i, threading.current_thread().name)) or i) for i in range(3)]
+    threading.Timer(0.2, gate.set).start()
+    assert w.finish(jobs) == [0, 1, 2]
+    assert [who for _, who in ran] == [threading.current_thread().name] * 3  # run here, not waited for
+    assert w.finish([blocker]) == [True]
     w.close()
 
 

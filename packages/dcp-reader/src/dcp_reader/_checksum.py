@@ -8,12 +8,12 @@ narrowed read of a large chunk checks a few blocks, not the whole chunk.
 4 MiB blocks: narrowed reads over-read at most one block at each end of their byte range,
 and a digest costs 17 bytes of metadata per 4 MiB (a 1 TB checkpoint: ~4 MB of digests).
 
-``read_verified`` hashes each block as it is read, not after the whole read: the bytes are
-read in 1 MiB pieces and each piece is hashed (streaming XXH3, the same digest as one call
-over the block) while it is still in the CPU cache, on the reader's ``HashWorker`` thread
-while the next piece is read. Hashing a block after a 32 MiB read finds it back in DRAM
-(~11 GB/s on the development machine) instead of in cache (~20-40 GB/s); see the
-dcp-reader README, "Measured facts".
+``read_verified`` hashes each block as it is read, not after the whole read: a block is
+hashed on the reader's ``HashWorker`` thread while the next one is read, or, where that
+thread lags (no spare core) and for the last block of a read, in the reading thread right
+after each 1 MiB piece of it is read, while the piece is in the CPU cache. Hashing a block
+after a 32 MiB read finds it back in DRAM (~11 GB/s on the development machine) instead of
+in cache (~20-40 GB/s); see the dcp-reader README, "Measured facts".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ChecksumError, MetadataError
-from ._hash_worker import HashWorker
+from ._hash_worker import HashWorker, Job
 from ._pread import pread_into
 
 ALGORITHM = "xxh3-64"
@@ -117,18 +117,17 @@ def read_verified(fd: int, buf: Any, file_offset: int, start: int, sums: BlockSu
     (ChecksumError naming file, tensor, key and the first bad block; the bytes are then in
     ``buf`` but must not be used).
 
-    Each piece is hashed right after it is read, while it is in the cache: by ``worker``
-    while the next piece is read, or here when the worker is more than one block behind
-    (no spare core: handing it more would only queue work behind the reads), when the read
-    is one piece, or without a worker."""
+    A block is handed to ``worker`` once read, to be hashed while the next one is read,
+    unless it is the last one of the read (nothing left to overlap) or the worker has not
+    started the block before the previous one (no spare core: more would only queue up);
+    then each of its pieces is hashed here right after it is read, while in the cache."""
     import xxhash
 
     view = memoryview(buf).cast("B")
     first = start // sums.block
-    pipelined = worker is not None and len(view) > PIECE_BYTES
+    todo = [lo for lo in range(0, len(view), sums.block) if first + lo // sums.block not in sums.verified]
     mine: list[tuple[int, int, int]] = []  # (block, digest, size) hashed here
-    theirs: list[tuple[int, int, int]] = []  # ... by the worker
-    handed = 0
+    jobs: list[Job] = []
     try:
         for lo in range(0, len(view), sums.block):
             i = first + lo // sums.block
@@ -136,26 +135,24 @@ def read_verified(fd: int, buf: Any, file_offset: int, start: int, sums: BlockSu
             if i in sums.verified:
                 pread_into(fd, block, file_offset + lo, path=path, key=key)
                 continue
-            use = pipelined and handed - len(theirs) <= 1
-            h = xxhash.xxh3_64()
+            hand = (worker is not None and lo != todo[-1]
+                    and (len(jobs) < 2 or jobs[-2].started))
+            h = None if hand else xxhash.xxh3_64()
             for p in range(0, len(block), PIECE_BYTES):
                 piece = block[p:p + PIECE_BYTES]
                 pread_into(fd, piece, file_offset + lo + p, path=path, key=key)
-                if use:
-                    worker.submit(h.update, piece)
-                else:
+                if h is not None:
                     h.update(piece)
-            if use:
-                worker.submit(_record, theirs, i, h, len(block))
-                handed += 1
+            if h is None:
+                assert worker is not None
+                jobs.append(worker.submit(_digest, i, block))
             else:
-                _record(mine, i, h, len(block))
+                mine.append((i, h.intdigest(), len(block)))
     finally:
-        if handed:
-            worker.drain()  # also after a failed read: no job may outlive the call
+        theirs = HashWorker.finish(jobs)  # also after a failed read: no job outlives the call
     for i, got, size in sorted(mine + theirs):
         sums.check(i, got, size, path=path, key=key, name=name)
 
 
-def _record(results: list[tuple[int, int, int]], i: int, h: Any, size: int) -> None:
-    results.append((i, h.intdigest(), size))
+def _digest(i: int, block: Any) -> tuple[int, int, int]:
+    return i, _xxh3(block), len(block)

@@ -1,57 +1,92 @@
-"""HashWorker: one thread that hashes the pieces a reader has just read while the reader
+"""HashWorker: one thread that hashes the blocks a reader has just read while the reader
 reads the next ones. xxhash releases the GIL, so hashing overlaps ``preadv`` on a second
-core instead of adding to the read time (dcp-reader README, "Measured facts")."""
+core instead of adding to the read time (dcp-reader README, "Measured facts").
+
+A job the thread has not started when the reader needs its result is run by the reader
+itself (``finish``): on a machine whose cores are all busy the thread may wait
+milliseconds for a time slice, and the reader then waits only for a job already running.
+"""
 
 from __future__ import annotations
 
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
-class HashWorker:
-    """Runs jobs in the order they were submitted, on one thread started by the first
-    ``submit`` and stopped (joined) by ``close`` or when the worker is garbage-collected.
+class Job:
+    """One call, run once: by the worker thread or by ``HashWorker.finish``."""
 
-    Call order: ``submit`` any number of jobs, then ``drain`` before using their results;
-    one caller thread at a time (the reader's). Jobs record their results where the
-    caller looks after ``drain``; an exception a job raises is re-raised by ``drain``.
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]):
+        self.fn, self.args = fn, args
+        self._claim = threading.Lock()  # held by whoever runs it, never released
+        self._done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._claim.locked()
+
+    def run_if_unclaimed(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return
+        try:
+            self.result = self.fn(*self.args)
+        except Exception as e:  # noqa: BLE001 - handed to the caller by finish(), which re-raises it
+            self.error = e
+        finally:
+            self._done.set()
+            self.fn = self.args = None  # type: ignore[assignment]  # drop the buffers
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class HashWorker:
+    """Runs submitted jobs in order on one thread, started by the first ``submit`` and
+    stopped (joined) by ``close`` or when the worker is garbage-collected.
+
+    Call order: ``submit`` jobs, then ``finish`` them before using their results (it runs
+    the ones not started yet here and waits for the others); one caller thread at a time
+    (the reader's).
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] | None = None
+        self._jobs: queue.SimpleQueue[Job | None] | None = None
         self._stop: weakref.finalize | None = None
-        self._errors: list[BaseException] = []
 
     @property
     def running(self) -> bool:
         return self._stop is not None and self._stop.alive
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Job:
         if not self.running:
             self._jobs = queue.SimpleQueue()
-            thread = threading.Thread(target=_run, args=(self._jobs, self._errors), name="dcp-reader-hash", daemon=True)
+            thread = threading.Thread(target=_run, args=(self._jobs,), name="dcp-reader-hash", daemon=True)
             thread.start()
             # The thread holds the queue, never the worker, so a reader dropped without
             # close() still stops it.
             self._stop = weakref.finalize(self, _stop, self._jobs, thread)
         assert self._jobs is not None
-        self._jobs.put((fn, args))
+        job = Job(fn, args)
+        self._jobs.put(job)
+        return job
 
-    def drain(self) -> None:
-        """Wait until every job submitted so far has run."""
-        if not self.running:
-            return
-        assert self._jobs is not None
-        done = threading.Event()
-        self._jobs.put((done.set, ()))
-        done.wait()
-        if self._errors:
-            err = self._errors[0]
-            self._errors.clear()
-            raise err
+    @staticmethod
+    def finish(jobs: Sequence[Job]) -> list[Any]:
+        """The results of ``jobs``: runs those not started yet here, waits for the others;
+        re-raises the first error a job raised."""
+        for job in jobs:
+            job.run_if_unclaimed()
+        for job in jobs:  # every job has ended before anything is raised
+            job._done.wait()
+        return [job.wait() for job in jobs]
 
     def close(self) -> None:
         """Stop and join the thread (idempotent); a later ``submit`` starts a new one."""
@@ -60,19 +95,15 @@ class HashWorker:
         self._jobs = self._stop = None
 
 
-def _run(jobs: queue.SimpleQueue[Any], errors: list[BaseException]) -> None:
+def _run(jobs: queue.SimpleQueue[Job | None]) -> None:
     while True:
         job = jobs.get()
         if job is None:
             return
-        fn, args = job
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - handed to the caller by drain(), which re-raises it
-            errors.append(e)
+        job.run_if_unclaimed()
 
 
-def _stop(jobs: queue.SimpleQueue[Any], thread: threading.Thread) -> None:
+def _stop(jobs: queue.SimpleQueue[Job | None], thread: threading.Thread) -> None:
     jobs.put(None)
     if thread is not threading.current_thread():
         thread.join()
