@@ -88,16 +88,6 @@ class BlockSums:
         """Whether every block touching [lo, hi) was verified already."""
         return all(i in self.verified for i in range(lo // self.block, -(-hi // self.block)))
 
-    def verify(self, buf: Any, start: int, *, path: str, key: str, name: str) -> None:
-        """Check the whole blocks held in ``buf``, which holds the chunk's bytes from
-        ``start`` (a block boundary); ChecksumError naming file, tensor, key and block."""
-        view = memoryview(buf).cast("B")
-        first = start // self.block
-        for i in range(first, first + -(-len(view) // self.block)):
-            lo = i * self.block - start
-            self.check(i, _xxh3(view[lo:lo + self.block]), min(self.block, len(view) - lo),
-                       path=path, key=key, name=name)
-
     def check(self, i: int, got: int, size: int, *, path: str, key: str, name: str) -> None:
         """Record block ``i`` (``size`` bytes) as verified when ``got`` is its digest;
         ChecksumError naming file, tensor, key and block when it is not."""

@@ -75,8 +75,8 @@ class CheckpointReader:
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         # file -> (its unpickled values, the value checksums its bytes were verified against)
         self._pickles: dict[str, tuple[Any, set[str | None]]] = {}
-        # hashes verified blocks while the next ones are read; its thread starts with the
-        # first verified read of more than one piece and stops in close()
+        # hashes blocks while the next ones are read; its thread starts with the first
+        # read of two or more unverified blocks and stops in close()
         self._hasher = HashWorker()
 
     @property
