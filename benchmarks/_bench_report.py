@@ -16,6 +16,7 @@ sys.path.insert(0, str(HERE))
 
 import _bench_attrib  # noqa: E402
 import _bench_goals  # noqa: E402
+import bench_checksums  # noqa: E402
 import bench_load_plan  # noqa: E402
 import bench_load_replicated as rep_mod  # noqa: E402
 import bench_load_single  # noqa: E402
@@ -48,7 +49,7 @@ python benchmarks/run_all.py && cp bench-results/latest.md BENCHMARKS.md
 {command}
 ```
 
-Selecting: `--scenarios replicated,throttled,small,single,plan`,
+Selecting: `--scenarios replicated,throttled,small,single,plan,checksums`,
 `--layouts dp4,dp2tp2,dp4tp2,fsdp4-dp2tp2` (the last: the FSDP-style torch DCP checkpoint
 loaded into DP2xTP2), `--modes warm,coldhost,cold`, `--methods` / `--coldhost-methods` /
 `--cold-methods` (methods: dcp, dcp-64k, dcp-reread, dcp-auto, torch, fastsafetensors),
@@ -435,7 +436,7 @@ def render(res: dict[str, Any]) -> str:
                                    nbytes=rep["unique_bytes"]))
     parts.append("## Results")
     mods = {"replicated": rep_mod, "throttled": bench_load_throttled, "small": bench_load_small,
-            "single": bench_load_single, "plan": bench_load_plan}
+            "single": bench_load_single, "plan": bench_load_plan, "checksums": bench_checksums}
     for name, mod in mods.items():
         if res.get(name):
             parts += mod.tables(res[name])

@@ -9,7 +9,9 @@ peak memory, sampled in the same runs; layouts include the resharding case fsdp4
 throttled (6: simulated nodes cold under a block-I/O read cap B, per-node link and shared
 file system; skipped with the reason where the cgroup v1 blkio throttle is unavailable),
 small (2: 2000 x 16 KiB tensors, DP4), single (3: one process, 1 GiB),
-plan (5: the global plan for 1024 and 4096 simulated ranks, no processes).
+plan (5: the global plan for 1024 and 4096 simulated ranks, no processes),
+checksums (the cost of verifying block checksums in a whole warm load of a 1 GiB native
+checkpoint: one process, DP2 and DP4; the report's "Checksum cost" section).
 
 Results go to bench-results/<UTC time>.json (and bench-results/latest.json); the report
 (the text of BENCHMARKS.md, every number computed from the results) is printed and written
@@ -34,6 +36,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import bench_checksums  # noqa: E402
 import bench_load_plan  # noqa: E402
 import bench_load_replicated  # noqa: E402
 import bench_load_single  # noqa: E402
@@ -49,6 +52,7 @@ SCENARIOS = {
     "small": bench_load_small,
     "single": bench_load_single,
     "plan": bench_load_plan,
+    "checksums": bench_checksums,
 }
 
 
@@ -57,7 +61,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes and 1 repeat (smoke run)")
     ap.add_argument("--repeats", type=int, default=None, help="runs per measurement (default 3; 1 with --quick)")
-    ap.add_argument("--scenarios", default="replicated,throttled,small,single,plan",
+    ap.add_argument("--scenarios", default="replicated,throttled,small,single,plan,checksums",
                     help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--layouts", default="dp4,dp2tp2,dp4tp2,fsdp4-dp2tp2",
                     help=f"replicated layouts: {','.join(bench_load_replicated.LAYOUTS)}")

@@ -11,10 +11,10 @@ mutants per child and a timeout per batch, and classifies each outcome:
 - ``typed``: CheckpointError or LoadError, targets untouched; ``typed-after-write``: the
   same, found while executing, after earlier tensors were written (counted, not a failure:
   dcp-load's message says so).
-- ``changed``: loaded, a tensor differs. A failure in the native format (checksums must
-  catch it); counted for formats that carry no checksums.
-- ``value-changed``: loaded, a non-tensor value differs (inline JSON values are not
-  covered by block checksums): counted, not a failure.
+- ``changed``: loaded, a tensor differs; ``value-changed``: loaded, a non-tensor value
+  differs. Failures in the native formats (``native``, ``native-pickle``: block checksums
+  and value checksums must catch them); counted as ``changed-unprotected`` /
+  ``value-changed-unprotected`` for formats that carry no checksums.
 - failures: ``untyped`` (any other exception, or a LoadError whose causes name an error
   type outside dcp_reader's), ``touched`` (typed error but targets written outside
   execute), ``hang`` (batch timeout), ``crash`` (child died), ``memory`` (peak RSS grew by
@@ -40,7 +40,8 @@ from collections import Counter
 from typing import Any
 
 FORMATS = ("native", "native-pickle", "hf", "hf-index", "torch-dcp", "torch-dcp-hf")
-FAILURES = ("untyped", "touched", "changed", "hang", "crash", "memory", "engine")
+FAILURES = ("untyped", "touched", "changed", "value-changed", "hang", "crash", "memory", "engine")
+NATIVE = ("native", "native-pickle")  # dcp's own format: block checksums and value checksums
 GiB = 1 << 30
 
 
@@ -408,8 +409,8 @@ def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 10
     running: list[tuple[Any, Any, list[int], float, dict[int, tuple[str, str]], str]] = []
 
     def record(i: int, fmt: str, desc: str, outcome: str, detail: str) -> None:
-        if outcome == "changed" and fmt != "native":
-            outcome = "changed-unprotected"  # no checksums in this format: counted only
+        if outcome in ("changed", "value-changed") and fmt not in NATIVE:
+            outcome += "-unprotected"  # no checksums in this format: counted only
         counts[outcome] += 1
         by_format[fmt][outcome] += 1
         done = sum(counts.values())

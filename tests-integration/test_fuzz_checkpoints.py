@@ -2,7 +2,8 @@
 checkpoints in six formats (native JSON, native with pickled values, Hugging Face single
 file and index, torch DCP default writer and HF writer), each loaded into poisoned targets
 in a child process. Asserts only typed errors with targets untouched, no hang, crash or
-memory blow-up, and no silently changed tensor in the native format (block checksums).
+memory blow-up, and no silently changed tensor or value in the native format (block
+checksums, value checksums).
 The full 10,000-mutant run is benchmarks/fuzz_checkpoints.py."""
 
 from __future__ import annotations

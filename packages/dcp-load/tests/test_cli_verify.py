@@ -60,3 +60,25 @@ def test_torch_dcp_without_checksums(tmp_path, capsys):
 def test_unreadable(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nothing")]) == 2
     assert "unreadable" in capsys.readouterr().err
+
+
+def test_a_changed_value_is_reported_by_verify_and_refused_by_load(tmp_path, capsys):
+    import json
+
+    import pytest
+    from dcp_load import LoadError, load
+
+    _native(tmp_path)
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "1 values (1 with checksums)" in capsys.readouterr().out
+    meta = tmp_path / "dcp-metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["values"]["step"]["value"] = 4
+    meta.write_text(json.dumps(doc))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM" in out and "value 'step'" in out and "1 problem(s)" in out
+    state = {"a": torch.full((300, 1024), float("nan")), "b": torch.full((10,), -123), "step": 0}
+    with pytest.raises(LoadError, match="ChecksumError.*value 'step'"):
+        load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert state["a"].isnan().all() and (state["b"] == -123).all() and state["step"] == 0

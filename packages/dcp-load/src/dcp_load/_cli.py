@@ -58,7 +58,7 @@ def _shown_value(reader, name: str, allow_pickle: bool, limit: int = 60) -> str:
 
 
 def verify(path: str, *, out=None) -> int:
-    """Check a whole checkpoint (structure, sizes, coverage, block checksums): exit status 0
+    """Check a whole checkpoint (structure, sizes, coverage, block and value checksums): exit status 0
     when it is good, 1 when problems were found (one line each), 2 when it cannot be read."""
     from dcp_reader import CheckpointError, verify_checkpoint
 
@@ -73,8 +73,10 @@ def verify(path: str, *, out=None) -> int:
     checked = (f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
                if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+    values = (f", {report.values} values ({report.values_with_checksums} with checksums)"
+              if report.values else "")
     print(f"{report.path}: {status}: format {report.format}, {report.tensors} tensors, {report.chunks} chunks "
-          f"({checked}) in {report.seconds:.2f} s", file=out)
+          f"({checked}){values} in {report.seconds:.2f} s", file=out)
     return 0 if report.ok else 1
 
 
@@ -92,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._plan_cli import add_parser as add_plan
 
     add_plan(sub)
-    v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage and block checksums "
+    v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage, block and value checksums "
                                       "(exit 0 ok, 1 problems found, 2 unreadable)")
     v.add_argument("path", help="checkpoint directory")
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")

@@ -121,13 +121,16 @@ class TensorMeta:
 @dataclass(frozen=True)
 class ValueMeta:
     """A non-tensor entry: inline JSON ``value``, or (pickled, opt-in) stored in ``file``
-    under ``key``. ``storage``: (byte offset, length) inside ``file`` (torch DCP)."""
+    under ``key``. ``storage``: (byte offset, length) inside ``file`` (torch DCP).
+    ``checksum``: optional, ``"xxh3-64:<hex>"`` of the value's canonical JSON, or of the
+    bytes of ``file`` (native format; see ``_value_sums``)."""
 
     name: str
     value: Any = None
     file: str | None = None
     key: str | None = None
     storage: tuple[int, int] | None = None
+    checksum: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -145,6 +148,9 @@ class ValueMeta:
             raise MetadataError(f"value {self.name!r} has both an inline value and a file", key=self.name)
         elif self.key is not None and not isinstance(self.key, str):
             raise MetadataError(f"value {self.name!r}: key must be a str or None, got {self.key!r:.80}",
+                                key=self.name)
+        if self.checksum is not None and not isinstance(self.checksum, str):
+            raise MetadataError(f"value {self.name!r}: checksum must be a str or None, got {self.checksum!r:.80}",
                                 key=self.name)
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
@@ -223,6 +229,10 @@ class CheckpointMetadata:
                 d["storage"] = list(v.storage)
             values[name] = d
         doc = {"schema_version": self.schema_version, "format": self.format, "tensors": tensors, "values": values}
+        # apart from the values: a corrupted value entry must not take its checksum with it
+        sums = {name: v.checksum for name, v in self.values.items() if v.checksum is not None}
+        if sums:
+            doc["value_checksums"] = sums
         if self.partial:
             doc["partial"] = True
         return json.dumps(doc, separators=(",", ":"))
@@ -239,6 +249,7 @@ class CheckpointMetadata:
         if version != SCHEMA_VERSION:
             raise MetadataError(f"unknown schema_version {version} (this dcp-reader reads "
                                 f"{SCHEMA_VERSION}); upgrade dcp-reader", key="schema_version")
+        value_sums = _value_checksums(doc)
         try:
             tensors = {}
             for name, t in _obj(doc, "tensors").items():
@@ -250,7 +261,7 @@ class CheckpointMetadata:
             values = {}
             for name, v in _obj(doc, "values").items():
                 values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
-                                         key=v.get("key"), storage=v.get("storage"))
+                                         key=v.get("key"), storage=v.get("storage"), checksum=value_sums.get(name))
         except RecursionError:
             raise MetadataError("a value in the metadata is nested too deeply; the file is corrupt") from None
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
@@ -258,6 +269,18 @@ class CheckpointMetadata:
                                 "corrupt or from an incompatible writer") from None
         return cls(tensors=tensors, values=values, format=doc.get("format", "native"),
                    schema_version=version, partial=doc.get("partial") is True)
+
+
+def _value_checksums(doc: dict[str, Any]) -> dict[str, Any]:
+    """The ``value_checksums`` map; MetadataError when it names a value the metadata does not
+    hold (a value entry lost or renamed by corruption)."""
+    sums = _obj(doc, "value_checksums")
+    orphans = sorted(set(sums) - set(_obj(doc, "values")))
+    if orphans:
+        shown = summarise([repr(n) for n in orphans])
+        raise MetadataError(f"value_checksums names value(s) the metadata does not hold: {shown}; the metadata "
+                            "file is corrupt: re-copy or re-save the checkpoint", key=orphans[0], offenders=orphans)
+    return sums
 
 
 def _obj(doc: dict[str, Any], name: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ._errors import (
     UnsafePickleError,
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
+from ._hash_worker import HashWorker
 from ._hf import load_hf
 from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import load_hyper
@@ -31,6 +32,7 @@ from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
 from ._unpickle import memo_problem
+from ._value_sums import check_bytes, check_value
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,11 @@ class CheckpointReader:
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
-        self._pickles: dict[str, dict[str, Any]] = {}
+        # file -> (its unpickled values, the value checksums its bytes were verified against)
+        self._pickles: dict[str, tuple[Any, set[str | None]]] = {}
+        # hashes blocks while the next ones are read; its thread starts with the first
+        # read of two or more unverified blocks and stops in close()
+        self._hasher = HashWorker()
 
     @property
     def bytes_read(self) -> int:
@@ -93,6 +99,7 @@ class CheckpointReader:
             f.close()
         self._blob = None
         self._pickles.clear()
+        self._hasher.close()
 
     def _open(self, name: str, key: str | None) -> Any:
         f = self._files.get(name)
@@ -156,9 +163,9 @@ class CheckpointReader:
             return self._read_dcp(t.dtype, name, chunk, sl, framework)
         f, sums = self._safetensors(name, t.dtype, chunk)
         if framework == "torch":
-            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name)
+            out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
         else:
-            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name)
+            out = f.numpy_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
             if framework == "mindspore":
                 out = numpy_to_mindspore(out, t.dtype)
         self._bytes_read += math.prod(sizes) * t.itemsize
@@ -174,7 +181,7 @@ class CheckpointReader:
         raw = _raw_bytes(out, tuple(sizes), t.itemsize)
         if raw is not None and self.format != "torch-dcp":
             f, sums = self._safetensors(name, t.dtype, chunk)
-            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name):
+            if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name, worker=self._hasher):
                 self._bytes_read += math.prod(sizes) * t.itemsize
                 return
         framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
@@ -219,12 +226,16 @@ class CheckpointReader:
 
     # -- values ----------------------------------------------------------------------------
     def read_value(self, name: str) -> Any:
-        """A non-tensor entry. Pickled entries need allow_pickle=True (trusted checkpoints)."""
+        """A non-tensor entry. Pickled entries need allow_pickle=True (trusted checkpoints).
+        With ``verify_checksums``, a value saved with a checksum (native format) is checked
+        first: ChecksumError naming it when the metadata or its file changed since."""
         v = self.metadata.values.get(name)
         if v is None:
             raise MissingKeyError(f"no value {name!r} in the checkpoint ({len(self.metadata.values)} "
                                   "values); check the name", path=self.path, key=name)
         if v.file is None:
+            if self.verify_checksums and v.checksum is not None:
+                check_value(name, v.value, v.checksum, path=self.path)
             return copy.deepcopy(v.value)
         if self.format == "torch-dcp":
             return self._read_dcp_value(name, v.file, v.storage)
@@ -234,11 +245,15 @@ class CheckpointReader:
                                     path=self.path, key=name)
         if self.format == HYPER_FORMAT and v.storage is not None:
             return self._read_pickled_range(name, v.file, v.storage)
-        d = self._pickles.get(v.file)
-        if d is None:
+        entry = self._pickles.get(v.file)
+        check = self.verify_checksums and v.checksum is not None
+        if entry is None or (check and v.checksum not in entry[1]):
             raw = read_regular(self.path, v.file, limit=METADATA_LIMIT, key=name)
-            d = _trusted_pickle(raw, os.path.join(self.path, v.file), name)
-            self._pickles[v.file] = d
+            if check:  # before unpickling anything from it
+                check_bytes(name, v.file, raw, v.checksum, path=os.path.join(self.path, v.file))
+            entry = (_trusted_pickle(raw, os.path.join(self.path, v.file), name), {v.checksum})
+            self._pickles[v.file] = entry
+        d = entry[0]
         if not isinstance(d, dict) or v.key not in d:
             raise MissingKeyError(f"value {name!r} (key {v.key!r}) is not in {v.file!r}", path=self.path, key=name)
         return d[v.key]

@@ -10,9 +10,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ._checksum import BlockSums
+from ._checksum import BlockSums, read_verified
 from ._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
 from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
+from ._hash_worker import HashWorker
 from ._json import load_json
 from ._paths import open_regular
 from ._pread import pread_into
@@ -130,10 +131,11 @@ class SafetensorsFile:
                                   "data files do not match: re-save it", path=self.path, key=key) from None
 
     def array_box(self, key: str, np_dtype: Any, slices: tuple[slice, ...], *, sums: BlockSums | None = None,
-                  name: str | None = None) -> Any:
+                  name: str | None = None, worker: HashWorker | None = None) -> Any:
         """A numpy array of the box, read with ``preadv`` into memory it owns (never a view of
         the file: a file truncated under a memory map kills the process with SIGBUS). With
-        ``sums``, the whole blocks the box touches are read and verified first."""
+        ``sums``, the whole blocks the box touches are read and verified (hashed as they
+        arrive, on ``worker`` when given) before it returns."""
         import numpy as np
 
         e = self.header.entries[key]
@@ -149,9 +151,11 @@ class SafetensorsFile:
         else:
             return self._runs(e, box, np_dtype, key)
         buf = np.empty(hi - lo, dtype=np.uint8)
-        pread_into(self._fd, buf, self.header.data_start + e.start + lo, path=self.path, key=key)
         if sums is not None:
-            sums.verify(buf, lo, path=self.path, key=key, name=name or key)
+            read_verified(self._fd, buf, self.header.data_start + e.start + lo, lo, sums, worker=worker,
+                          path=self.path, key=key, name=name or key)
+        else:
+            pread_into(self._fd, buf, self.header.data_start + e.start + lo, path=self.path, key=key)
         return np.ndarray(box.sizes, dtype=np_dtype, buffer=buf, offset=box.lo - lo, strides=box.strides)
 
     def _runs(self, e: Entry, box: _Box, np_dtype: Any, key: str) -> Any:
@@ -166,7 +170,8 @@ class SafetensorsFile:
         return out.view(np_dtype).reshape(box.sizes)
 
     def read_into(self, key: str, slices: tuple[slice, ...], itemsize: int, out: Any, *,
-                  sums: BlockSums | None = None, name: str | None = None) -> bool:
+                  sums: BlockSums | None = None, name: str | None = None,
+                  worker: HashWorker | None = None) -> bool:
         """Read a box straight into ``out`` (a writable uint8 buffer of its size): one copy,
         from the page cache into place; a box that is not contiguous in the file by
         scattering reads of its runs (``_scatter``). False (nothing read) when checksums
@@ -183,13 +188,15 @@ class SafetensorsFile:
             return True
         if box.nbytes and sums is not None and sums.span(box.lo, box.hi, e.end - e.start) != (box.lo, box.hi):
             return False
-        if box.nbytes:
+        if box.nbytes and sums is not None:
+            read_verified(self._fd, out, self.header.data_start + e.start + box.lo, box.lo, sums, worker=worker,
+                          path=self.path, key=key, name=name or key)
+        elif box.nbytes:
             pread_into(self._fd, out, self.header.data_start + e.start + box.lo, path=self.path, key=key)
-            if sums is not None:
-                sums.verify(out, box.lo, path=self.path, key=key, name=name or key)
         return True
 
-    def verify_entry(self, key: str, sums: BlockSums, *, name: str, window_blocks: int = 16) -> int:
+    def verify_entry(self, key: str, sums: BlockSums, *, name: str, window_blocks: int = 16,
+                     worker: HashWorker | None = None) -> int:
         """Verify every block of ``key`` (ChecksumError at the first bad one), reading
         ``window_blocks`` blocks at a time into one reused buffer. Returns the bytes checked."""
         import numpy as np
@@ -200,8 +207,8 @@ class SafetensorsFile:
         buf = np.empty(min(window, nbytes), dtype=np.uint8)
         for lo in range(0, nbytes, window):
             part = buf[:min(window, nbytes - lo)]
-            pread_into(self._fd, part, self.header.data_start + e.start + lo, path=self.path, key=key)
-            sums.verify(part, lo, path=self.path, key=key, name=name)
+            read_verified(self._fd, part, self.header.data_start + e.start + lo, lo, sums, worker=worker,
+                          path=self.path, key=key, name=name)
         return nbytes
 
     def numpy_box(self, key: str, dtype: str, slices: tuple[slice, ...], **kw: Any) -> Any:

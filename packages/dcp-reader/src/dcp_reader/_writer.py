@@ -20,6 +20,7 @@ from ._model import CheckpointMetadata, ValueMeta
 from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE
 from ._paths import check_files, check_name
 from ._safetensors_file import read_header_at
+from ._value_sums import bytes_checksum, value_checksum
 from ._values import is_storable_value
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
 
 def with_checksums(root_real: str, metadata: CheckpointMetadata) -> CheckpointMetadata:
     """``metadata`` with each chunk's missing checksum taken from its file's header (written
-    there by ``write_file``); chunks of files without them stay as they are."""
+    there by ``write_file``; chunks of files without them stay as they are) and each inline
+    value's missing checksum computed."""
     by_file: dict[str, dict[str, str]] = {}
     tensors = {}
     for name, t in metadata.tensors.items():
@@ -76,7 +78,9 @@ def with_checksums(root_real: str, metadata: CheckpointMetadata) -> CheckpointMe
                     c = dataclasses.replace(c, checksum=digest)
             chunks.append(c)
         tensors[name] = dataclasses.replace(t, chunks=tuple(chunks))
-    return dataclasses.replace(metadata, tensors=tensors, values=dict(metadata.values))
+    values = {name: v if v.checksum is not None or v.file is not None
+              else dataclasses.replace(v, checksum=value_checksum(v.value)) for name, v in metadata.values.items()}
+    return dataclasses.replace(metadata, tensors=tensors, values=values)
 
 
 def _fsync_dir(path: str) -> None:
@@ -175,12 +179,13 @@ class NativeWriter:
 
     def write_values(self, values: Mapping[str, Any], *, file_name: str = "values.pkl") -> dict[str, ValueMeta]:
         """ValueMeta for each non-tensor value: JSON values inline; others pickled into
-        ``file_name`` when allow_pickle, else TypeError listing every offender."""
+        ``file_name`` when allow_pickle, else TypeError listing every offender. Each carries
+        a checksum (of its JSON text, or of the bytes of ``file_name``)."""
         out: dict[str, ValueMeta] = {}
         pickled: dict[str, Any] = {}
         for name, v in values.items():
             if is_storable_value(v):
-                out[name] = ValueMeta(name=name, value=v)
+                out[name] = ValueMeta(name=name, value=v, checksum=value_checksum(v))
             else:
                 pickled[name] = v
         if pickled and not self.allow_pickle:
@@ -190,9 +195,11 @@ class NativeWriter:
                             "allow_pickle=True on save and on load (only for trusted checkpoints)")
         if pickled:
             final = self._target(file_name)
-            _atomic_write(final, [pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL)])
+            raw = pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL)
+            _atomic_write(final, [raw])
+            checksum = bytes_checksum(raw)
             for name in pickled:
-                out[name] = ValueMeta(name=name, file=file_name, key=name)
+                out[name] = ValueMeta(name=name, file=file_name, key=name, checksum=checksum)
         return out
 
     def invalidate(self) -> None:
@@ -206,7 +213,8 @@ class NativeWriter:
     def commit(self, metadata: CheckpointMetadata) -> None:
         """Write the metadata last and atomically. Checks first that every file it names
         exists inside the checkpoint (MissingFileError / UnsafePathError listing all). Chunks
-        without a checksum get the block checksums ``write_file`` recorded in their file."""
+        without a checksum get the block checksums ``write_file`` recorded in their file;
+        inline values without one get the checksum of their JSON text."""
         if not isinstance(metadata, CheckpointMetadata):
             raise TypeError(f"metadata must be a CheckpointMetadata, got {type(metadata).__name__}")
         if metadata.format != "native":
