@@ -71,8 +71,10 @@ def _span(t: BlobTensor, slices: tuple[slice, ...], width: int) -> tuple[tuple[i
 
 def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...], *, path: str, key: str,
              counts: dict[str, int]) -> tuple[Any, int]:
-    """(numpy array of the box holding its values, or for bfloat16/float8 their bits; bytes
-    read) in memory of its own, possibly a strided view of a larger buffer."""
+    """(numpy array of the box holding its values, or for bfloat16/float8 their bits; the
+    box's bytes) in memory of its own, possibly a strided view of a larger buffer. Like
+    safetensors boxes, the box's bytes are counted, not the span read around them: the
+    span's other bytes share its pages, which storage fetches once."""
     import numpy as np
 
     np_dtype = numpy_bits_dtype(t.dtype)
@@ -96,7 +98,7 @@ def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...]
         strides = tuple(st * width for st in t.stride)
     buf = np.empty(hi - lo, dtype=np.uint8)
     pread_into(fd, buf, base + lo, path=path, key=key)
-    return np.ndarray(sizes, dtype=np_dtype, buffer=buf, offset=0, strides=strides), hi - lo
+    return np.ndarray(sizes, dtype=np_dtype, buffer=buf, offset=0, strides=strides), math.prod(sizes) * width
 
 
 def read_box_into(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...], out: Any, *,
