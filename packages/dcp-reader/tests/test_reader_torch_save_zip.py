@@ -224,6 +224,27 @@ def _read_w(path, error=MetadataError, match=None):
     return ei.value
 
 
+def test_check_chunk_finds_a_bad_blob_without_reading_data(tmp_path):
+    f, off, blob = _blob_ckpt(tmp_path)
+    with open_checkpoint(tmp_path) as r:
+        for name, t in r.metadata.tensors.items():
+            r.check_chunk(name, t.chunks[0])
+        assert r.bytes_read == HEAD + TAIL + _info(_meta(tmp_path), "b").length  # indexes only
+    local = struct.unpack("<I", blob[_central(blob, b"/data/0") + 42:][:4])[0]
+    _patch(f, off + local, b"XX\x03\x04")
+    with open_checkpoint(tmp_path) as r, pytest.raises(MetadataError, match="no local header"):
+        r.check_chunk("w", r.metadata.tensors["w"].chunks[0])
+
+
+def test_check_chunk_of_a_safetensors_chunk_reads_no_data(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4, 4)}, str(tmp_path / "model.safetensors"))
+    with open_checkpoint(tmp_path) as r:
+        r.check_chunk("w", r.metadata.tensors["w"].chunks[0])
+        assert r.bytes_read == 0
+
+
 def test_a_shortened_blob_has_no_end_record(tmp_path):
     _blob_ckpt(tmp_path)
     md = _meta(tmp_path)

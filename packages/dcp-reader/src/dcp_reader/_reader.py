@@ -198,6 +198,17 @@ class CheckpointReader:
         else:
             out.copy_(data)
 
+    def check_chunk(self, name: str, chunk: ChunkMeta) -> None:
+        """Check a saved chunk without reading its data, before anything is written: its file
+        opens, its header (safetensors) or blob index (torch-dcp: zip directory and data.pkl,
+        ~2 KiB) parses, agrees with the metadata and places the chunk inside the file. A
+        torch-dcp blob that cannot be narrowed is only checked to lie inside its file."""
+        t, _ = self._box(name, chunk, chunk.offsets, chunk.sizes)
+        if self.format == "torch-dcp":
+            self._dcp_layout(t.dtype, name, chunk)
+        else:
+            self._safetensors(name, t.dtype, chunk)
+
     def _dcp_layout(self, dtype: str, name: str, chunk: ChunkMeta) -> tuple[_RawFile, BlobTensor | None]:
         """The open file of a torch-dcp chunk, its blob checked to lie inside the file, and
         where the blob's tensor lies (parsed once per blob; None: load the blob whole)."""
