@@ -184,6 +184,7 @@ def test_a_legacy_format_blob_is_loaded_whole_and_counted(tmp_path):
     _write_meta(tmp_path, md)
     with open_checkpoint(tmp_path) as r:
         c = r.metadata.tensors["w"].chunks[0]
+        r.check_chunk("w", c)  # loads it whole, once
         assert torch.equal(r.read("w", c, (5, 0), (3, 8)), w[5:8])
         assert torch.equal(r.read("w", c, (9, 0), (3, 8)), w[9:12])
         assert r.torch_save_reads == {"narrowed": 0, "strided": 0, "whole": 1}

@@ -202,10 +202,13 @@ class CheckpointReader:
         """Check a saved chunk without reading its data, before anything is written: its file
         opens, its header (safetensors) or blob index (torch-dcp: zip directory and data.pkl,
         ~2 KiB) parses, agrees with the metadata and places the chunk inside the file. A
-        torch-dcp blob that cannot be narrowed is only checked to lie inside its file."""
+        torch-dcp blob that cannot be narrowed (rare: torch's legacy format) is loaded whole,
+        as reading it would, and kept for the next read."""
         t, _ = self._box(name, chunk, chunk.offsets, chunk.sizes)
         if self.format == "torch-dcp":
-            self._dcp_layout(t.dtype, name, chunk)
+            f, layout = self._dcp_layout(t.dtype, name, chunk)
+            if layout is None:
+                self._read_dcp_whole(f, t.dtype, name, chunk, tuple(slice(0, 0) for _ in chunk.sizes), "torch")
         else:
             self._safetensors(name, t.dtype, chunk)
 
