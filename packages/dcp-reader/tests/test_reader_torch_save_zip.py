@@ -372,3 +372,24 @@ def test_zip64_sizes_are_read_from_the_extra_field(tmp_path):
     got = np.frombuffer(fixed[layout.start:layout.start + 400], dtype=np.int64)
     assert layout.shape == (50,) and np.array_equal(got, t.numpy())
     assert zipfile.ZipFile(io.BytesIO(fixed)).testzip() is None
+
+
+def test_torch_save_layout_facts_the_readme_states(tmp_path):
+    """torch.save (this torch) writes stored entries with 64-byte aligned data, sizes only in
+    the central directory (data-descriptor flag) and zip64 end records; a one-tensor blob's
+    storage starts before byte 1024 and its directory fits in its last 1024 bytes."""
+    buf = io.BytesIO()
+    torch.save(torch.arange(1000, dtype=torch.float32), buf)
+    blob = buf.getvalue()
+    z = zipfile.ZipFile(io.BytesIO(blob))
+    assert all(i.compress_type == zipfile.ZIP_STORED and i.flag_bits & 0x8 for i in z.infolist())
+    assert blob.rfind(b"PK\x06\x06") > 0 and blob.rfind(b"PK\x06\x07") > 0
+    f = tmp_path / "b.bin"
+    f.write_bytes(blob)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        layout, spent = parse_blob(fd, 0, len(blob), path=str(f), key="t")
+    finally:
+        os.close(fd)
+    assert layout.start % 64 == 0 and layout.start < HEAD and spent == HEAD + TAIL
+    assert blob.find(b"PK\x01\x02") >= len(blob) - TAIL
