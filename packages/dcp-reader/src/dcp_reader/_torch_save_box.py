@@ -98,6 +98,12 @@ def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...]
         strides = tuple(st * width for st in t.stride)
     buf = np.empty(hi - lo, dtype=np.uint8)
     pread_into(fd, buf, base + lo, path=path, key=key)
+    # dims of size 1 get row-major strides: a (1, 1) box of a transposed tensor then views
+    # as contiguous (torch's .view(dtype) refuses a last stride other than 1)
+    row_major = [width] * len(sizes)
+    for d in range(len(sizes) - 2, -1, -1):
+        row_major[d] = row_major[d + 1] * sizes[d + 1]
+    strides = tuple(rm if n == 1 else st for n, st, rm in zip(sizes, strides, row_major, strict=True))
     return np.ndarray(sizes, dtype=np_dtype, buffer=buf, offset=0, strides=strides), math.prod(sizes) * width
 
 
