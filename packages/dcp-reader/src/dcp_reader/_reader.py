@@ -13,7 +13,7 @@ from typing import Any
 
 from ._checksum import BlockSums
 from ._detect import detect_format
-from ._dtypes import to_safetensors, torch_dtype_name
+from ._dtypes import numpy_dtype, to_safetensors, torch_dtype_name
 from ._errors import (
     CheckpointError,
     MetadataError,
@@ -31,6 +31,8 @@ from ._native import load_native
 from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._safetensors_file import SafetensorsFile
 from ._torch_dcp import load_blob, load_torch_dcp
+from ._torch_save_box import BlobLayouts, read_box, read_box_into
+from ._torch_save_zip import BlobTensor
 from ._unpickle import memo_problem
 from ._value_sums import check_bytes, check_value
 
@@ -73,6 +75,7 @@ class CheckpointReader:
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
+        self._layouts = BlobLayouts()  # torch-dcp: where each blob's tensor lies
         # file -> (its unpickled values, the value checksums its bytes were verified against)
         self._pickles: dict[str, tuple[Any, set[str | None]]] = {}
         # hashes blocks while the next ones are read; its thread starts with the first
@@ -82,6 +85,13 @@ class CheckpointReader:
     @property
     def bytes_read(self) -> int:
         return self._bytes_read
+
+    @property
+    def torch_save_reads(self) -> dict[str, int]:
+        """torch-dcp: boxes read narrowed from a row-major tensor (``narrowed``), as the byte
+        span of a tensor saved with other strides (``strided``), and blobs loaded whole
+        because their layout cannot be narrowed (``whole``)."""
+        return dict(self._layouts.counts)
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -99,6 +109,7 @@ class CheckpointReader:
             f.close()
         self._blob = None
         self._pickles.clear()
+        self._layouts.clear()
         self._hasher.close()
 
     def _open(self, name: str, key: str | None) -> Any:
@@ -184,6 +195,8 @@ class CheckpointReader:
             if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name, worker=self._hasher):
                 self._bytes_read += math.prod(sizes) * t.itemsize
                 return
+        elif raw is not None and self._read_dcp_into(t.dtype, name, chunk, sl, raw):
+            return
         framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
         data = self.read(name, chunk, offsets, sizes, framework=framework)
         if framework == "numpy":
@@ -193,18 +206,73 @@ class CheckpointReader:
         else:
             out.copy_(data)
 
-    def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
+    def check_chunk(self, name: str, chunk: ChunkMeta) -> None:
+        """Check a saved chunk without reading its data, before anything is written: its file
+        opens, its header (safetensors) or blob index (torch-dcp: zip directory and data.pkl,
+        ~2 KiB) parses, agrees with the metadata and places the chunk inside the file. A
+        torch-dcp blob that cannot be narrowed (rare: torch's legacy format) is loaded whole,
+        as reading it would, and kept for the next read."""
+        t, _ = self._box(name, chunk, chunk.offsets, chunk.sizes)
+        if self.format == "torch-dcp":
+            f, layout = self._dcp_layout(t.dtype, name, chunk)
+            if layout is None:
+                self._read_dcp_whole(f, t.dtype, name, chunk, tuple(slice(0, 0) for _ in chunk.sizes), "torch")
+        else:
+            self._safetensors(name, t.dtype, chunk)
+
+    def _dcp_layout(self, dtype: str, name: str, chunk: ChunkMeta) -> tuple[_RawFile, BlobTensor | None]:
+        """The open file of a torch-dcp chunk, its blob checked to lie inside the file, and
+        where the blob's tensor lies (parsed once per blob; None: load the blob whole)."""
         if chunk.storage is None:
             raise MetadataError(f"chunk of {name!r} in {chunk.file!r} has no storage (offset, length)",
                                 path=self.path, key=name)
+        f = self._open(chunk.file, name)
+        off, length = chunk.storage
+        if off < 0 or length < 0 or off + length > f.size:
+            raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
+                                     f"has {f.size} bytes; the file is truncated: re-copy it",
+                                     path=f.path, key=name)
+        layout, spent = self._layouts.get(f.fd, chunk.file, chunk.storage, path=f.path, key=name)
+        self._bytes_read += spent
+        if layout is not None and (layout.shape != chunk.sizes or layout.dtype != dtype):
+            raise MetadataError(f"payload of {name!r} is {layout.dtype} {list(layout.shape)} but the "
+                                f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
+        return f, layout
+
+    def _read_dcp_into(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], raw: Any) -> bool:
+        """A box contiguous in a narrowable blob, read straight into ``raw``; False when not."""
+        f, layout = self._dcp_layout(dtype, name, chunk)
+        if layout is None:
+            return False
+        n = read_box_into(f.fd, chunk.storage[0], layout, sl, raw, path=f.path, key=name,
+                          counts=self._layouts.counts)
+        if n is None:
+            return False
+        self._bytes_read += n
+        return True
+
+    def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
+        f, layout = self._dcp_layout(dtype, name, chunk)
+        if layout is None:
+            return self._read_dcp_whole(f, dtype, name, chunk, sl, framework)
+        arr, n = read_box(f.fd, chunk.storage[0], layout, sl, path=f.path, key=name,
+                          counts=self._layouts.counts)
+        self._bytes_read += n
+        if framework == "torch":
+            import torch
+
+            out = torch.from_numpy(arr)
+            return out.view(getattr(torch, dtype)) if out.dtype != getattr(torch, dtype) else out
+        np_dt = numpy_dtype(dtype)
+        out = arr.view(np_dt) if arr.dtype != np_dt else arr
+        return numpy_to_mindspore(out, dtype) if framework == "mindspore" else out
+
+    def _read_dcp_whole(self, f: _RawFile, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...],
+                        framework: str) -> Any:
+        """A box of a blob whose layout cannot be narrowed: torch.load(weights_only=True) of
+        the whole blob (the last one decoded is kept)."""
         blob = self._blob
         if blob is None or blob[0] != chunk.file or blob[1] != chunk.storage:
-            f = self._open(chunk.file, name)
-            off, length = chunk.storage
-            if off + length > f.size:
-                raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
-                                         f"has {f.size} bytes; the file is truncated: re-copy it",
-                                         path=f.path, key=name)
             tensor = self._blob_of(f, name, chunk.storage, weights_only=True)
             import torch
 
@@ -215,7 +283,8 @@ class CheckpointReader:
             if tuple(tensor.shape) != chunk.sizes or torch_dtype_name(tensor.dtype) != dtype:
                 raise MetadataError(f"payload of {name!r} is {tensor.dtype} {list(tensor.shape)} but the "
                                     f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
-            self._bytes_read += length
+            self._bytes_read += chunk.storage[1]
+            self._layouts.counts["whole"] += 1
             blob = self._blob = (chunk.file, chunk.storage, tensor)
         out = blob[2][sl]
         if framework != "torch":

@@ -3,7 +3,9 @@
 The pickle is read by ``_unpickle._RestrictedUnpickler``: an allow-list of names, each
 resolved to an inert stand-in, with bounds on memo indices and on the elements built (no
 torch code runs, and torch is not even imported). Tensor payloads are torch.save blobs at
-(offset, length) in a .distcp file, read with ``torch.load(weights_only=True)``.
+(offset, length) in a .distcp file: the reader reads boxes of them narrowed in the file
+(``_torch_save_zip``, ``_torch_save_box``); ``load_blob`` (``torch.load(weights_only=True)``)
+reads values and the blobs that cannot be narrowed.
 """
 
 from __future__ import annotations
