@@ -160,10 +160,11 @@ def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
                 ) -> tuple[list[str], dict[str, Any]]:
     """Open every data file this rank will read, and read its non-tensor values.
 
-    For each saved chunk this rank reads from, the reader fetches the chunk's last element,
-    which makes it open the file, check the header and check that the chunk's bytes lie
-    inside the file (a truncated file fails here, before any write). Returns (errors,
-    values read by name).
+    For each saved chunk this rank reads from, the reader checks the chunk without reading
+    its data (``CheckpointReader.check_chunk``): the file opens, its header or blob index
+    parses, agrees with the metadata and places the chunk inside the file, so a truncated
+    file or a corrupt blob fails here, before any write. Returns (errors, values read by
+    name).
     """
     errors: list[str] = []
     tensors = reader.metadata.tensors
@@ -173,14 +174,8 @@ def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
             continue
         seen.add((item.name, item.chunk))
         chunk = tensors[item.name].chunks[item.chunk]
-        last = tuple(o + s - 1 for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
         try:
-            if chunk.storage is not None:
-                # Formats that cannot narrow a read (torch DCP blobs) would fetch the whole
-                # blob for a probe: check that the file holds the blob's bytes instead.
-                _check_extent(reader.path, chunk)
-            else:
-                reader.read(item.name, chunk, last, (1,) * len(last))
+            reader.check_chunk(item.name, chunk)
         except Exception as exc:  # noqa: BLE001 - every failure is reported to all ranks, not raised here
             errors.append(f"cannot read {item.name!r} from {chunk.file!r}: {type(exc).__name__}: {exc}")
     got: dict[str, Any] = {}
@@ -190,15 +185,6 @@ def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
         except Exception as exc:  # noqa: BLE001 - as above
             errors.append(f"cannot read value {leaf.name!r}: {type(exc).__name__}: {exc}")
     return errors, got
-
-
-def _check_extent(root: Any, chunk: Any) -> None:
-    path = os.path.join(os.fspath(root), chunk.file)
-    size = os.stat(path).st_size
-    end = chunk.storage[0] + chunk.storage[1]
-    if size < end:
-        raise OSError(f"{path} is {size} bytes but chunk {chunk.key!r} ends at byte {end} "
-                      "(truncated file); re-copy or re-save the checkpoint")
 
 
 def exchange(platform: Any, errors: Sequence[str], phase: str, *, collective: bool,
