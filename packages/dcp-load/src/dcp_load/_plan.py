@@ -24,6 +24,7 @@ __all__ = [
     "VIEWS",
     "GlobalPlan",
     "GreedyPlanner",
+    "HostBlocks",
     "Planner",
     "ReadItem",
     "Want",
@@ -145,6 +146,32 @@ def intersect(chunks: Sequence[Any], offsets: tuple[int, ...], sizes: tuple[int,
 
 
 
+class HostBlocks(Sequence[int]):
+    """Hosts of ranks placed in contiguous blocks: ``hosts[r] == r // per_host``.
+
+    What ``$LOCAL_WORLD_SIZE`` says (torchrun), given to the planner in place of a list of
+    ``world`` host ids: a rank of a 64k-rank job then plans without building one.
+    """
+
+    def __init__(self, world: int, per_host: int):
+        if per_host < 1 or world < 0:
+            raise ValueError(f"HostBlocks: per_host must be >= 1 and world >= 0, got {per_host} and {world}")
+        self.world, self.per_host = world, per_host
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, rank: Any) -> Any:
+        if isinstance(rank, slice):
+            return [r // self.per_host for r in range(self.world)[rank]]
+        if not -self.world <= rank < self.world:
+            raise IndexError(f"rank {rank} outside a world of {self.world}")
+        return (rank % self.world) // self.per_host
+
+    def __repr__(self) -> str:
+        return f"HostBlocks(world={self.world}, per_host={self.per_host})"
+
+
 @dataclass(frozen=True)
 class GlobalPlan:
     """Every rank's reads and the broadcasts between them, in the agreed order.
@@ -152,7 +179,12 @@ class GlobalPlan:
     ``broadcasts``: replicated items in the order every rank walks them. ``local``: items
     that each rank of their ``ranks`` reads itself. ``loads``: bytes each rank reads from
     storage. ``unique_bytes``: stored bytes of the distinct boxes any rank wants (what a
-    read-once load fetches in total).
+    read-once load fetches in total). ``fetched_bytes``: stored bytes the plan fetches from
+    storage, counting a box that several ranks of one host read once (they share the page
+    cache, as ``hosts`` says). ``rank``: None for the whole job's plan; for one rank's part
+    of it (``plan_for_rank``), that rank: then ``broadcasts`` and ``local`` hold only items
+    it takes part in, ``loads`` only what the ranks of its holder sets read of them, and
+    the two byte counts only the row intervals it leads (summed over ranks, the job's).
     """
 
     world_size: int
@@ -160,6 +192,8 @@ class GlobalPlan:
     local: tuple[ReadItem, ...]
     loads: tuple[int, ...]
     unique_bytes: int
+    fetched_bytes: int = 0
+    rank: int | None = None
 
     def reads_for(self, rank: int) -> list[ReadItem]:
         """What ``rank`` reads from storage, in order: its broadcast sources first."""

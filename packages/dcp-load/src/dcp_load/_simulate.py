@@ -165,8 +165,9 @@ def _time_role(tensors: Mapping[str, Any], layout: Layout, stage: int, rank: int
     from ._derived_plan import metadata_digest
     from ._digest import holder_lane
     from ._local_plan import plan_for_rank
+    from ._plan import HostBlocks
 
-    hosts = [layout.host(r) for r in range(layout.world)]
+    hosts = HostBlocks(layout.world, layout.ranks_per_host)
     mesh_boxes.cache_clear()
     start, cpu = time.perf_counter(), time.process_time()
     stage_entries_again = [Derived(e.name, e.shape, e.dtype, e.flags, e.layout, e.holders,
