@@ -81,6 +81,7 @@ class PlanBuilder:
         # their per-host split cached by id: hashing a 2,048-rank tuple costs ~10 us, and a
         # rank of a 16k-rank job looks a stage-wide set up once per box it plans.
         self._sets: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._seen: dict[int, tuple[Sequence[int], tuple[int, ...]]] = {}
         self._by_host: dict[int, dict[Any, list[int]]] = {}
         self._unions: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -109,9 +110,17 @@ class PlanBuilder:
                 out.setdefault(host[r], []).append(r)
         return out
 
-    def intern(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
-        """The one tuple object standing for this rank set (``on_host`` keys on its id)."""
-        return self._sets.setdefault(ranks, ranks)
+    def intern(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """The one tuple object standing for this rank set (``on_host`` keys on its id).
+        Looked up by the id of the caller's object first: derived boxes share their holder
+        tuples across tensors of one layout, so most lookups hash nothing."""
+        seen = self._seen.get(id(ranks))
+        if seen is not None and seen[0] is ranks:
+            return seen[1]
+        key = tuple(ranks)
+        out = self._sets.setdefault(key, key)
+        self._seen[id(ranks)] = (ranks, out)  # holds ``ranks``: its id stays its own
+        return out
 
     def _union(self, members: Sequence[Piece]) -> tuple[int, ...]:
         """The interned union of the pieces' (interned) rank sets."""
@@ -135,7 +144,7 @@ class PlanBuilder:
         at once, shared ones per holder set in ``settle``."""
         by_chunk: dict[int, list[Piece]] = {}
         for (offsets, sizes, dtype), (ranks, ok) in held.items():
-            rank_tuple = self.intern(tuple(ranks))
+            rank_tuple = self.intern(ranks)
             for index, lo, sz in intersect(meta.chunks, offsets, sizes):
                 by_chunk.setdefault(index, []).append((lo, sz, dtype, rank_tuple, ok))
         itemsize = meta.itemsize
@@ -222,14 +231,21 @@ class PlanBuilder:
         charged: list[tuple[int, int]] = []
         anchor_host = self.host[anchor] if anchor is not None else None
         rows = b - a
+        fast = anchor is not None and self.broadcast and not self.custom
         for tail_o, tail_s, dtype, ranks, ok, row_stored, row_nbytes, mine, scalar in boxes:
             stored, nbytes = (row_stored, row_nbytes) if scalar else (rows * row_stored, rows * row_nbytes)
             if self._lead:
                 self.unique += stored
-            shared = anchor is not None and self.broadcast and ok and len(ranks) > 1
-            if shared and not self.custom:
+            if fast and ok and len(ranks) > 1:
                 by_host = self.on_host(ranks)
                 near = by_host.get(anchor_host)
+                if near is not None and len(near) == 1 and not mine:  # the common case, in short
+                    src = near[0]
+                    if self._lead:
+                        self.fetched += stored
+                    self.loads[src] += stored
+                    charged.append((src, stored))
+                    continue
                 src = self._nearest(near or ranks, anchor)
                 home = anchor_host if near else self.host[src]
                 if not self.auto:
@@ -244,6 +260,7 @@ class PlanBuilder:
                     self._local(name, index, box, nbytes, dtype, ranks, stored, 1)
                 continue
             box = (tail_o, tail_s) if scalar else ((a, *tail_o), (rows, *tail_s))
+            shared = anchor is not None and self.broadcast and ok and len(ranks) > 1
             if shared and self.custom and not (self.auto and len(self.on_host(ranks)) == 1):
                 self.fetched += stored  # read once by the reader the planner chooses
                 self.candidates.append(ReadItem(name, index, box[0], box[1], nbytes, ranks, None, dtype))

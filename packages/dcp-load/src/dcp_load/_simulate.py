@@ -195,6 +195,7 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
     import numpy as np
 
     from ._digest import LANES_BYTES
+    from ._local_plan import held_by
     from ._owners import PlanBuilder
     from ._plan import SPLIT_BYTES
 
@@ -208,10 +209,8 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
     for entries in per_stage:
         builder = PlanBuilder(world, broadcast=True, hosts=hosts, same_host_reads=True, split_bytes=SPLIT_BYTES,
                               custom=False)
-        from ._derive import held_boxes
-
-        for name, held in held_boxes(entries).items():
-            builder.add_tensor(name, tensors[name], held)
+        for e in entries:
+            builder.add_tensor(e.name, tensors[e.name], held_by(e))
         plan = builder.finish(tensors)
         loads += np.asarray(plan.loads, dtype=np.int64)
         unique += plan.unique_bytes
