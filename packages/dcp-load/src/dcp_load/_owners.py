@@ -4,12 +4,19 @@ The rule, computed by every rank alike from the ranks holding one tensor (never 
 tensors, so that a rank can plan only the tensors it holds):
 
 * A row interval of a saved chunk (``_segments.intervals``) that several ranks need, and
-  that is broadcastable, is cut into ``min(units, bytes // split_bytes)`` row slabs (at
-  least one). A *unit* is a host when ranks that share a page cache re-read from it
-  (``"auto"``), else a rank. All slabs needed by the same set of ranks (the holder set:
-  a data-parallel group, say) are given owners together: heaviest first, to the unit with
-  the fewest bytes of that set so far. Every member of a holder set holds the same boxes,
-  so each of them computes the same owners without knowing anything about other sets.
+  that is broadcastable, is given an owner *unit*: a host when ranks that share a page
+  cache re-read from it (``"auto"``), else a rank. All intervals needed by the same set of
+  ranks (the holder set: a data-parallel group, say) are given owners together. Every
+  member of a holder set holds the same boxes, so each of them computes the same owners
+  without knowing anything about other sets.
+* When each unit's share of the set's bytes is at least the smallest slab
+  (``split_bytes`` x min(boxes per interval, ``BOXES_PER_SLAB``) / ``BOXES_PER_SLAB``),
+  the set's intervals, in (name, chunk, row) order, form one byte stream cut at row
+  boundaries into ``STRIPES_PER_UNIT`` equal stripes per unit (fewer when slabs would be
+  smaller than the smallest), dealt round robin: every unit reads the same bytes to a row.
+  Otherwise (little data per unit) each interval is cut into row slabs of at least
+  ``split_bytes`` and the slabs go heaviest first to the unit with the fewest bytes of
+  that set so far, which spreads small tensors over the units.
 * Inside a slab, each box some ranks want is read by the wanting rank nearest (in rank
   order, ties to the lower) to the slab's anchor rank, preferring ranks on the anchor's
   host. So the two column halves of one row slab are read on one host (where both halves
@@ -33,15 +40,33 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._plan import GlobalPlan, Planner, ReadItem, intersect
-from ._segments import Piece, intervals, row_bytes, split_rows
+from ._segments import Piece, intervals, row_bytes, split_rows, stripe_rows
 
-__all__ = ["SLABS_PER_UNIT", "PlanBuilder"]
+__all__ = ["BOXES_PER_SLAB", "SLABS_PER_UNIT", "STRIPES_PER_UNIT", "PlanBuilder"]
 
 #: A holder set's slabs are at most its bytes / (this x owners) (and at least
 #: ``SPLIT_BYTES``): with several slabs per owner, heaviest-first assignment balances the
 #: owners. 70B-like plan (benchmarks/bench_load_plan.py), max / mean bytes read per rank at
 #: DP16 / DP64 with 8 MiB slabs: 2 per owner 1.19 / 1.22, 4: 1.17 / 1.16, 8: 1.10 / 1.16.
 SLABS_PER_UNIT = 8
+
+#: The smallest slab of a shared interval is ``split_bytes`` x min(its boxes, this) / this:
+#: each rank's box of a slab is at least ``split_bytes`` / 8 (1 MiB by default), the size
+#: the boxes of an 8 MiB row-parallel slab at TP8 already have. A holder set of one box per
+#: interval (a column-parallel weight's data-parallel replicas) is then cut finer when its
+#: members are many: 70B-like plan at 16,384 ranks (benchmarks/bench_derive_plan.py), such
+#: sets hold ~6 MiB per member, under one 8 MiB slab.
+BOXES_PER_SLAB = 8
+
+#: Equal stripes per unit when a holder set's bytes are dealt (``_deal``): one stripe each
+#: already balances to a row, but then each unit's reads are one block of the broadcast
+#: walk, and the walk waits for the first block's whole read; with 4, for a quarter of it.
+#: 70B-like plan (benchmarks/bench_derive_plan.py), 1,024 / 4,096 / 16,384 ranks: max/mean
+#: bytes read per rank 1.089 / 1.090 / 1.092 with 1 stripe, 1.090 / 1.091 / 1.096 with 4
+#: (the stages' own imbalance is 1.089); broadcasts per rank 122 / 218 / 601 with 1,
+#: 218 / 601 / 1,625 with 4 (heaviest-first 8 MiB slabs: 312 / 752 / 952, balance
+#: 1.125 / 1.128 / 1.351).
+STRIPES_PER_UNIT = 4
 
 
 @functools.lru_cache(maxsize=64)
@@ -201,12 +226,42 @@ class PlanBuilder:
         out.sort(key=lambda s: (-s[0], s[1], s[2], s[3]))
         return out
 
-    def _settle(self, units: list[list[int]], slabs: list[Any]) -> None:
-        """Owners of one holder set's slabs: heaviest first to the unit whose ranks read the
-        fewest bytes of this set so far (ties to the lower unit); the anchor rotates over
-        the unit's ranks. A slab's boxes may be read by ranks of other units (the nearest
-        holders), and those ranks' units are charged, so a lazy heap refreshes stale loads."""
-        slabs = self._cut(len(units), slabs)
+    def _settle(self, units: list[list[int]], intervals: list[Any]) -> None:
+        """Owners of one holder set's intervals: equal stripes dealt to the units when each
+        unit's share is at least the smallest slab (``_deal``), else heaviest slab first to
+        the least loaded unit (``_heaviest_first``)."""
+        total = sum(i[0] for i in intervals)
+        widest = max(len(i[5]) for i in intervals)
+        smallest = self.split_bytes * min(widest, BOXES_PER_SLAB) // BOXES_PER_SLAB
+        share = total // len(units)
+        if self.split_bytes > 0 and smallest > 0 and share >= smallest:
+            self._deal(units, intervals, total, min(STRIPES_PER_UNIT, share // smallest) * len(units))
+        else:
+            self._heaviest_first(units, intervals)
+
+    def _deal(self, units: list[list[int]], intervals: list[Any], total: int, stripes: int) -> None:
+        """The set's intervals, in (name, chunk, row) order, as one byte stream cut into
+        ``stripes`` equal stripes at row boundaries; stripe j goes to unit j mod units. So
+        every unit reads the same bytes (to a row) and its stripes are spread over the
+        stream, as the broadcasts are walked. A stripe crossing intervals is one slab in
+        each; the anchor rotates over the unit's ranks."""
+        taken = [0] * len(units)
+        start = 0
+        for nbytes, name, index, lo, hi, boxes, rb in sorted(intervals, key=lambda i: (i[1], i[2], i[3])):
+            for a, b, stripe in stripe_rows(start, nbytes, lo, hi, rb, total, stripes):
+                u = stripe % len(units)
+                unit = units[u]
+                self._rows(name, index, boxes, a, b, unit[taken[u] % len(unit)])
+                taken[u] += 1
+            start += nbytes
+
+    def _heaviest_first(self, units: list[list[int]], intervals: list[Any]) -> None:
+        """Owners of a holder set with little data per unit: slabs (``_cut``) heaviest
+        first to the unit whose ranks read the fewest bytes of this set so far (ties to the
+        lower unit); the anchor rotates over the unit's ranks. A slab's boxes may be read
+        by ranks of other units (the nearest holders), and those ranks' units are charged,
+        so a lazy heap refreshes stale loads."""
+        slabs = self._cut(len(units), intervals)
         unit_of = {r: u for u, unit in enumerate(units) for r in unit}
         loads = [0] * len(units)
         heap = [(0, u) for u in range(len(units))]
