@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._progress import human_bytes
+
 __all__ = ["add_parser", "run"]
 
 
@@ -32,14 +34,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str]:
     """A text histogram of ``values`` (bytes read per rank)."""
     lo, hi = min(values), max(values)
@@ -48,7 +42,7 @@ def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str
     for v in values:
         counts[min(bins - 1, int((v - lo) / step))] += 1
     top = max(counts)
-    return [f"  {_human(lo + k * step):>11} - {_human(lo + (k + 1) * step):>11} | "
+    return [f"  {human_bytes(lo + k * step):>9} - {human_bytes(lo + (k + 1) * step):>9} | "
             f"{'#' * max(1 if c else 0, round(width * c / top)):<{width}} {c}" for k, c in enumerate(counts)]
 
 
@@ -83,6 +77,7 @@ def _png(path: str, loads: Sequence[int], title: str) -> None:
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Run ``dcp plan`` with parsed ``args``; 0 on success, 2 on bad input."""
+    from ._plan_summary import summary_text
     from ._simulate import Layout, parse_mesh, simulate
 
     out = out or sys.stdout
@@ -104,16 +99,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print(json.dumps(result, sort_keys=True), file=out)
         return 0
     lines = [
-        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {_human(result['unique_bytes'])}",
+        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {human_bytes(result['unique_bytes'])}",
         f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms "
         f"wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
-        f"broadcast group sets: {_human(result['group_set_bytes_per_rank_max'])}",
-        f"read per rank: max {_human(result['read_bytes_per_rank_max'])}, mean "
-        f"{_human(result['read_bytes_per_rank_mean'])} (max/mean "
-        f"{result['read_bytes_per_rank_max'] / max(1.0, result['read_bytes_per_rank_mean']):.3f})",
-        f"broadcasts per rank: max {result['broadcasts_per_rank_max']}",
-        f"storage amplification: {result['amplification']:.4f}",
+        f"broadcast group sets: {human_bytes(result['group_set_bytes_per_rank_max'])}",
+        *summary_text(result).split("; "),
         "bytes read per rank:", *histogram(loads),
     ]
     print("\n".join(lines), file=out)
