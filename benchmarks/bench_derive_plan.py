@@ -10,11 +10,15 @@ For each world size:
 * exchanged: what a rank sends to agree on the plan (the digest's all-reduce lanes);
   group sets: what it sends when dcp_broadcast creates its broadcast groups (the same in
   the gathered path);
-* read max/mean: bytes read per rank, max over mean, for the derived plan and (1k, 4k)
-  for the global plan with ``GreedyPlanner`` (the gathered, greedy-era assignment).
+* read max/mean: bytes read per rank, max over mean, for the derived plan and (up to
+  ``--greedy-up-to`` ranks) for the global plan with ``GreedyPlanner`` (the gathered,
+  greedy-era assignment, over the same slabs);
+* broadcasts per rank (max) and storage amplification (bytes fetched, once per host, over
+  the unique bytes).
 
 Run: ``python benchmarks/bench_derive_plan.py [--worlds 1024 4096 ...] [--json OUT]``;
-the plot goes to ``benchmarks/plots/derived_plan_scaling.png``.
+the plot goes to ``benchmarks/plots/derived_plan_scaling.png``. The header line names the
+git commit and the load average, since the machine may be shared.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
         r = simulate(tensors, layout)
         r.pop("read_bytes_per_rank")
         r["simulate_seconds"] = time.perf_counter() - t0
+        r["load_average"] = os.getloadavg()[0]
         r["balance"] = r["read_bytes_per_rank_max"] / r["read_bytes_per_rank_mean"]
         r["greedy_balance"] = greedy_balance(tensors, layout) if world <= greedy_up_to else None
         rows.append(r)
@@ -58,7 +64,7 @@ def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
               f"{r['planning_cpu_seconds_median'] * 1e3:6.1f}), exchanged {r['exchanged_bytes_per_rank_max']} B, "
               f"group sets {r['group_set_bytes_per_rank_max']} B, read max/mean {r['balance']:.3f} "
               f"(greedy {g}), broadcasts/rank {r['broadcasts_per_rank_max']}, amplification "
-              f"{r['amplification']:.4f}", flush=True)
+              f"{r['amplification']:.4f} (load average {r['load_average']:.1f})", flush=True)
     return rows
 
 
@@ -93,13 +99,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + ("+changes" if dirty else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--greedy-up-to", type=int, default=4096, help="largest world for the gathered comparison")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    print(f"git {_commit()}; load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     rows = run(args.worlds, args.greedy_up_to)
     plot(rows, Path(__file__).parent / "plots" / "derived_plan_scaling.png")
     if args.json:
