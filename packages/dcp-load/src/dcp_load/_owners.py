@@ -9,11 +9,12 @@ tensors, so that a rank can plan only the tensors it holds):
   ranks (the holder set: a data-parallel group, say) are given owners together. Every
   member of a holder set holds the same boxes, so each of them computes the same owners
   without knowing anything about other sets.
-* When each unit's share of the set's bytes is at least the smallest slab
+* When each unit's share of the set's bytes is at least half the smallest slab
   (``split_bytes`` x min(boxes per interval, ``BOXES_PER_SLAB``) / ``BOXES_PER_SLAB``),
   the set's intervals, in (name, chunk, row) order, form one byte stream cut at row
-  boundaries into ``STRIPES_PER_UNIT`` equal stripes per unit (fewer when slabs would be
-  smaller than the smallest), dealt round robin: every unit reads the same bytes to a row.
+  boundaries into ``STRIPES_PER_UNIT`` equal stripes per unit (fewer when stripes would
+  be smaller than the smallest slab, one at least), dealt round robin: every unit reads
+  the same bytes to a row.
   Otherwise (little data per unit) each interval is cut into row slabs of at least
   ``split_bytes`` and the slabs go heaviest first to the unit with the fewest bytes of
   that set so far, which spreads small tensors over the units.
@@ -228,14 +229,14 @@ class PlanBuilder:
 
     def _settle(self, units: list[list[int]], intervals: list[Any]) -> None:
         """Owners of one holder set's intervals: equal stripes dealt to the units when each
-        unit's share is at least the smallest slab (``_deal``), else heaviest slab first to
-        the least loaded unit (``_heaviest_first``)."""
+        unit's share is at least half the smallest slab (``_deal``; a stripe is never
+        smaller), else heaviest slab first to the least loaded unit (``_heaviest_first``)."""
         total = sum(i[0] for i in intervals)
         widest = max(len(i[5]) for i in intervals)
         smallest = self.split_bytes * min(widest, BOXES_PER_SLAB) // BOXES_PER_SLAB
         share = total // len(units)
-        if self.split_bytes > 0 and smallest > 0 and share >= smallest:
-            self._deal(units, intervals, total, min(STRIPES_PER_UNIT, share // smallest) * len(units))
+        if self.split_bytes > 0 and smallest > 0 and 2 * share >= smallest:
+            self._deal(units, intervals, total, max(1, min(STRIPES_PER_UNIT, share // smallest)) * len(units))
         else:
             self._heaviest_first(units, intervals)
 
