@@ -208,9 +208,11 @@ def test_scales_to_thousands_of_ranks() -> None:
     t0 = time.perf_counter()
     plan = build_global_plan(tensors, wants)
     elapsed = time.perf_counter() - t0
-    assert len(plan.broadcasts) == 200 * tp and plan.local == ()
+    # each TP rank's 128 replicas share 200 x 512 KiB: dealt in 128 equal stripes, cut at
+    # rows (128 bytes), so a stripe boundary adds at most one piece
+    assert 200 * tp <= len(plan.broadcasts) <= (200 + 128) * tp and plan.local == ()
     assert sum(plan.loads) == plan.unique_bytes == 200 * math.prod((4096, 512)) * 2
-    assert max(plan.loads) - min(plan.loads) <= 4096 * 64 * 2
+    assert max(plan.loads) - min(plan.loads) <= 2 * 64 * 2
     assert elapsed < 20, elapsed
 
 
