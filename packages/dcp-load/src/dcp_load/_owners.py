@@ -45,9 +45,10 @@ from ._segments import Piece, intervals, row_bytes, split_rows, stripe_rows
 
 __all__ = ["BOXES_PER_SLAB", "SLABS_PER_UNIT", "STRIPES_PER_UNIT", "PlanBuilder"]
 
-#: A holder set's slabs are at most its bytes / (this x owners) (and at least
-#: ``SPLIT_BYTES``): with several slabs per owner, heaviest-first assignment balances the
-#: owners. 70B-like plan (benchmarks/bench_load_plan.py), max / mean bytes read per rank at
+#: In a holder set with little data per owner (``_heaviest_first``), slabs are at most its
+#: bytes / (this x owners) (and at least ``split_bytes``): with several slabs per owner,
+#: heaviest-first assignment balances the owners. Measured before sets with more data were
+#: dealt in stripes, 70B-like plan (benchmarks/bench_load_plan.py), max / mean bytes read per rank at
 #: DP16 / DP64 with 8 MiB slabs: 2 per owner 1.19 / 1.22, 4: 1.17 / 1.16, 8: 1.10 / 1.16.
 SLABS_PER_UNIT = 8
 
