@@ -219,8 +219,11 @@ def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequenc
     }
 
 
-def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True) -> dict[str, Any]:
-    """The plan's numbers for every rank of ``layout`` (see module docstring)."""
+def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True,
+             repeats: int = 1) -> dict[str, Any]:
+    """The plan's numbers for every rank of ``layout`` (see module docstring). ``repeats``:
+    time each role this many times and keep its fastest (wall and CPU each), which on a
+    shared machine estimates a rank with a core to itself."""
     import numpy as np
 
     from ._digest import LANES_BYTES
@@ -232,12 +235,14 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
         _time_role(tensors, layout, 0, per_stage[0])  # warm-up: imports and first-call costs
         for stage, entries in enumerate(per_stage):
             for tp_i in range(layout.tp):
-                wall, used = _time_role(tensors, layout, layout.rank(0, stage, tp_i), entries)
-                seconds.append(wall)
-                cpu.append(used)
+                runs = [_time_role(tensors, layout, layout.rank(0, stage, tp_i), entries)
+                        for _ in range(max(1, repeats))]
+                seconds.append(min(wall for wall, _ in runs))
+                cpu.append(min(used for _, used in runs))
     return {
         "world_size": layout.world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
         "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
+        "timing_repeats": max(1, repeats) if time_roles else 0,
         "planning_seconds_max": max(seconds, default=0.0),
         "planning_seconds_median": float(np.median(seconds)) if seconds else 0.0,
         "planning_cpu_seconds_max": max(cpu, default=0.0),
