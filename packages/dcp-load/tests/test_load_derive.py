@@ -205,4 +205,4 @@ def test_derived_plans_equal_the_global_plan_on_a_model_layout() -> None:
         unique += mine.unique_bytes
     assert unique == full.unique_bytes
     spread = max(full.loads) / (sum(full.loads) / layout.world)
-    assert spread < 1.2, spread  # dealt stripes: only the stages' own sizes differ
+    assert spread < 1.001, spread  # dealt stripes: equal to a row (both stages hold as much)
