@@ -4,8 +4,8 @@
 TP8 x PP8 x DP for 1,024 / 4,096 / 16,384 / 65,536 ranks, 8 ranks per host, "auto" mode.
 For each world size:
 
-* planning s: the slowest rank role's own planning (wall and CPU time, each the fastest of
-  ``--repeats`` runs; a warm-up role first) (derive its entries from the meshes
+* planning s: the slowest rank role's own planning (wall and CPU time, each role's fastest
+  of ``--repeats`` passes over all roles; a warm-up role first) (derive its entries from the meshes
   with a cold cache, the digest lanes, ``plan_for_rank``), over all 64 (pp, tp) roles;
 * exchanged: what a rank sends to agree on the plan (the digest's all-reduce lanes);
   group sets: what it sends when dcp_broadcast creates its broadcast groups (the same in
@@ -114,8 +114,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--greedy-up-to", type=int, default=4096, help="largest world for the gathered comparison")
-    p.add_argument("--repeats", type=int, default=3, help="time each rank role this many times, keep the fastest "
-                   "(a shared machine's other jobs only ever add time)")
+    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes, keep each "
+                   "role's fastest (a shared machine's other jobs only ever add time)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     print(f"git {_commit()}; load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)

@@ -222,23 +222,25 @@ def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequenc
 def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True,
              repeats: int = 1) -> dict[str, Any]:
     """The plan's numbers for every rank of ``layout`` (see module docstring). ``repeats``:
-    time each role this many times and keep its fastest (wall and CPU each), which on a
-    shared machine estimates a rank with a core to itself."""
+    time every role in this many passes and keep each role's fastest (wall and CPU each),
+    which on a shared machine estimates a rank with a core to itself."""
     import numpy as np
 
     from ._digest import LANES_BYTES
 
     per_stage = stage_entries(tensors, layout)
     job = _job(tensors, layout, per_stage)
-    seconds, cpu = [], []
+    seconds: list[float] = []
+    cpu: list[float] = []
     if time_roles:
         _time_role(tensors, layout, 0, per_stage[0])  # warm-up: imports and first-call costs
-        for stage, entries in enumerate(per_stage):
-            for tp_i in range(layout.tp):
-                runs = [_time_role(tensors, layout, layout.rank(0, stage, tp_i), entries)
-                        for _ in range(max(1, repeats))]
-                seconds.append(min(wall for wall, _ in runs))
-                cpu.append(min(used for _, used in runs))
+        roles = [(layout.rank(0, stage, tp_i), entries) for stage, entries in enumerate(per_stage)
+                 for tp_i in range(layout.tp)]
+        seconds, cpu = [float("inf")] * len(roles), [float("inf")] * len(roles)
+        for _ in range(max(1, repeats)):  # whole passes: a burst of other work spoils one pass
+            for k, (rank, entries) in enumerate(roles):
+                wall, used = _time_role(tensors, layout, rank, entries)
+                seconds[k], cpu[k] = min(seconds[k], wall), min(cpu[k], used)
     return {
         "world_size": layout.world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
         "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
