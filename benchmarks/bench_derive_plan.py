@@ -114,7 +114,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--greedy-up-to", type=int, default=4096, help="largest world for the gathered comparison")
-    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes, keep each "
+    p.add_argument("--repeats", type=int, default=5, help="time every rank role in this many passes, keep each "
                    "role's fastest (a shared machine's other jobs only ever add time)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
