@@ -29,6 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mesh", required=True, help="layout, e.g. tp=8,pp=8,dp=256 (TP innermost, then PP, then DP)")
     p.add_argument("--fsdp", action="store_true", help="shard every tensor's dim 0 over dp (else replicate)")
     p.add_argument("--ranks-per-host", type=int, default=8, help="ranks sharing a page cache (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes and keep "
+                   "each role's fastest (default 3: other work on the machine only adds time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
@@ -85,9 +87,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         mesh = parse_mesh(args.mesh)
         if args.ranks_per_host < 1:
             raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         tensors = _tensors(args)
         layout = Layout(mesh["tp"], mesh["pp"], mesh["dp"], fsdp=args.fsdp, ranks_per_host=args.ranks_per_host)
-        result = simulate(tensors, layout)
+        result = simulate(tensors, layout, repeats=args.repeats)
         title = f"{args.model or args.checkpoint}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
         if args.png:
             _png(args.png, result["read_bytes_per_rank"], title)
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         return 0
     lines = [
         f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {human_bytes(result['unique_bytes'])}",
-        f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms "
-        f"wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
+        f"planning per rank (slowest of {result['roles_timed']} roles, fastest of {result['timing_repeats']} passes): "
+        f"{result['planning_seconds_max'] * 1e3:.1f} ms wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
         f"broadcast group sets: {human_bytes(result['group_set_bytes_per_rank_max'])}",
         *summary_text(result).split("; "),
