@@ -4,17 +4,21 @@
 TP8 x PP8 x DP for 1,024 / 4,096 / 16,384 / 65,536 ranks, 8 ranks per host, "auto" mode.
 For each world size:
 
-* planning s: the slowest rank role's own planning (wall and CPU time; a warm-up role
-  first) (derive its entries from the meshes
+* planning s: the slowest rank role's own planning (wall and CPU time, each role's fastest
+  of ``--repeats`` passes over all roles; a warm-up role first) (derive its entries from the meshes
   with a cold cache, the digest lanes, ``plan_for_rank``), over all 64 (pp, tp) roles;
 * exchanged: what a rank sends to agree on the plan (the digest's all-reduce lanes);
   group sets: what it sends when dcp_broadcast creates its broadcast groups (the same in
   the gathered path);
-* read max/mean: bytes read per rank, max over mean, for the derived plan and (1k, 4k)
-  for the global plan with ``GreedyPlanner`` (the gathered, greedy-era assignment).
+* read max/mean: bytes read per rank, max over mean, for the derived plan and (up to
+  ``--greedy-up-to`` ranks) for the global plan with ``GreedyPlanner`` (the gathered,
+  greedy-era assignment, over the same slabs);
+* broadcasts per rank (max) and storage amplification (bytes fetched, once per host, over
+  the unique bytes).
 
 Run: ``python benchmarks/bench_derive_plan.py [--worlds 1024 4096 ...] [--json OUT]``;
-the plot goes to ``benchmarks/plots/derived_plan_scaling.png``.
+the plot goes to ``benchmarks/plots/derived_plan_scaling.png``. The header line names the
+git commit and the load average, since the machine may be shared.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,7 @@ def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
     return max(plan.loads) / (sum(plan.loads) / layout.world)
 
 
-def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
+def run(worlds: list[int], greedy_up_to: int, repeats: int) -> list[dict[str, Any]]:
     from dcp_load._simulate import Layout, model_metadata, simulate
 
     tensors = model_metadata("llama-70b")
@@ -46,9 +51,10 @@ def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
     for world in worlds:
         layout = Layout(8, 8, world // 64)
         t0 = time.perf_counter()
-        r = simulate(tensors, layout)
+        r = simulate(tensors, layout, repeats=repeats)
         r.pop("read_bytes_per_rank")
         r["simulate_seconds"] = time.perf_counter() - t0
+        r["load_average"] = os.getloadavg()[0]
         r["balance"] = r["read_bytes_per_rank_max"] / r["read_bytes_per_rank_mean"]
         r["greedy_balance"] = greedy_balance(tensors, layout) if world <= greedy_up_to else None
         rows.append(r)
@@ -58,7 +64,7 @@ def run(worlds: list[int], greedy_up_to: int) -> list[dict[str, Any]]:
               f"{r['planning_cpu_seconds_median'] * 1e3:6.1f}), exchanged {r['exchanged_bytes_per_rank_max']} B, "
               f"group sets {r['group_set_bytes_per_rank_max']} B, read max/mean {r['balance']:.3f} "
               f"(greedy {g}), broadcasts/rank {r['broadcasts_per_rank_max']}, amplification "
-              f"{r['amplification']:.4f}", flush=True)
+              f"{r['amplification']:.4f} (load average {r['load_average']:.1f})", flush=True)
     return rows
 
 
@@ -93,14 +99,27 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() + ("+changes" if dirty else "")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--greedy-up-to", type=int, default=4096, help="largest world for the gathered comparison")
+    p.add_argument("--repeats", type=int, default=5, help="time every rank role in this many passes, keep each "
+                   "role's fastest (a shared machine's other jobs only ever add time)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    rows = run(args.worlds, args.greedy_up_to)
+    print(f"git {_commit()}; load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+    rows = run(args.worlds, args.greedy_up_to, args.repeats)
     plot(rows, Path(__file__).parent / "plots" / "derived_plan_scaling.png")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

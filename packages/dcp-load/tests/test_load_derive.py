@@ -178,3 +178,31 @@ def test_host_check() -> None:
     assert sum(host_lane(f"h{r // 2}", r, 5, 2) for r in range(5)) % PRIME == 0  # a short last node
     assert sum(host_lane("same", r, 6, 2) for r in range(6)) % PRIME == 0
     assert sum(host_lane(f"h{r // 3}", r, 6, 2) for r in range(6)) % PRIME != 0  # 3 per host, not 2
+
+
+def test_derived_plans_equal_the_global_plan_on_a_model_layout() -> None:
+    # Llama-8B shapes on TP2 x PP2 x DP4, 4 ranks per host ("auto"): holder sets big enough
+    # to be dealt in stripes, hosts computed (HostBlocks) or listed; every rank's own plan
+    # is its part of the global plan built from every rank's gathered wants.
+    from dcp_load._plan import HostBlocks
+    from dcp_load._simulate import Layout, gathered_wants, model_metadata, stage_entries
+
+    tensors = model_metadata("llama-8b")
+    layout = Layout(2, 2, 4, ranks_per_host=4)
+    wants, hosts = gathered_wants(tensors, layout)
+    blocks = HostBlocks(layout.world, 4)
+    assert list(blocks) == hosts and blocks[-1] == hosts[-1]
+    full = build_global_plan(tensors, wants, hosts=hosts)
+    assert len({i.ranks for i in full.broadcasts}) > 1
+    per_stage = stage_entries(tensors, layout)
+    unique = 0
+    for r in range(layout.world):
+        entries = per_stage[(r // layout.tp) % layout.pp]
+        mine = plan_for_rank(tensors, entries, r, layout.world, hosts=blocks)
+        reads, bcasts = restrict(full, r)
+        assert mine.reads_for(r) == reads and list(mine.broadcasts) == bcasts
+        assert mine.rank == r
+        unique += mine.unique_bytes
+    assert unique == full.unique_bytes
+    spread = max(full.loads) / (sum(full.loads) / layout.world)
+    assert spread < 1.001, spread  # dealt stripes: equal to a row (both stages hold as much)

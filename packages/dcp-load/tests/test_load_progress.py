@@ -33,9 +33,10 @@ class Clock:
 
 
 class Plan:
-    """The parts of a GlobalPlan the summary reads."""
+    """The parts of a GlobalPlan the summary reads: the whole job's plan of 2 ranks."""
 
-    world_size, loads, unique_bytes, broadcasts = 2, (3000, 1000), 4000, ("one",)
+    world_size, loads, unique_bytes, fetched_bytes, rank = 2, (3000, 1000), 4000, 4000, None
+    broadcasts = (type("Item", (), {"ranks": (0, 1)})(),)
 
     def reads_for(self, rank: int):
         return [type("Item", (), {"nbytes": 1500})()] * 2
@@ -109,8 +110,8 @@ def test_info_lines_on_rank_0_and_nothing_on_other_ranks(caplog):
         p.phase("execute", 2.0, 3_000_000)
         Progress(1).phase("execute", 2.0, 3_000_000)
     assert [r.getMessage() for r in caplog.records] == [
-        "load plan: 5 tensor(s) on 2 rank(s); rank 0 reads 2 piece(s), 3.0 KB; the job reads 4.0 KB for "
-        "4.0 KB of distinct data; 1 piece(s) are broadcast",
+        "load plan: 5 tensor(s) on 2 rank(s); rank 0 reads 2 piece(s), 3.0 KB; job: read per rank: max 3.0 KB, "
+        "mean 2.0 KB (max/mean 1.500); broadcasts per rank: max 1; storage amplification: 1.0000",
         "load phase plan: 0.250 s",
         "load phase execute: 2.000 s, 3.0 MB (1.5 MB/s)",
     ]
@@ -132,8 +133,9 @@ def test_one_process_load_logs_every_phase_and_draws_the_bar(checkpoint, caplog,
         dcp_load.load({"w": torch.empty(64, 32)}, checkpoint_id=checkpoint, strict=False)
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert [m.split(":")[0] for m in messages] == PHASES
-    assert messages[2] == ("load plan: 1 tensor(s) on 1 rank(s); rank 0 reads 1 piece(s), 8.2 KB; the job reads "
-                           "8.2 KB for 8.2 KB of distinct data; 0 piece(s) are broadcast")
+    assert messages[2] == ("load plan: 1 tensor(s) on 1 rank(s); rank 0 reads 1 piece(s), 8.2 KB; job: read per rank: "
+                           "max 8.2 KB, mean 8.2 KB (max/mean 1.000); broadcasts per rank: max 0; storage "
+                           "amplification: 1.0000")
     assert "8.2 KB (" in messages[4] and "8.2 KB (" in messages[6]
     assert re.fullmatch(r"(\rdcp load \[#{24}\] 100% 8\.2 KB / 8\.2 KB [0-9.]+ [KMG]?B/s )+\n",
                         sys.stderr.getvalue()), sys.stderr.getvalue()
@@ -143,6 +145,10 @@ def test_two_ranks_only_rank_0_logs_and_draws(checkpoint):
     (msgs0, bar0, ok0), (msgs1, bar1, ok1) = run_ranks(cases.load_with_progress, 2, checkpoint, timeout=120)
     assert ok0 and ok1
     assert [m.split(":")[0] for m in msgs0] == PHASES
-    assert msgs0[2].startswith("load plan: 2 tensor(s) on 2 rank(s); rank 0 reads ")
+    assert msgs0[2].startswith("load plan: 2 tensor(s) on 2 rank(s); rank 0 reads "), msgs0[2]
+    # a derived plan: rank 0 knows the replica groups it planned, here both ranks; w and b
+    # (8,320 bytes) are read once between them, each broadcast to the other
+    assert "; rank 0's replica groups: read per rank: max " in msgs0[2] and msgs0[2].endswith(
+        "broadcasts per rank: max 2; storage amplification: 1.0000"), msgs0[2]
     assert "dcp load [" in bar0 and bar0.endswith("\n")
     assert msgs1 == [] and bar1 == ""

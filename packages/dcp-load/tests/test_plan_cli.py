@@ -25,9 +25,10 @@ def _run(*argv: str) -> tuple[int, str]:
 
 
 def test_json_for_a_built_in_model() -> None:
-    code, text = _run("--model", "llama-8b", "--mesh", "tp=2,pp=2,dp=4", "--json")
+    code, text = _run("--model", "llama-8b", "--mesh", "tp=2,pp=2,dp=4", "--json", "--repeats", "2")
     assert code == 0
     out = json.loads(text)
+    assert out["timing_repeats"] == 2 and out["roles_timed"] == 4
     assert KEYS <= set(out)
     assert out["world_size"] == 16 and out["tensors"] == 32 * 9 + 3
     assert 0 < out["planning_seconds_max"] < 5
@@ -85,6 +86,7 @@ def test_a_checkpoint_directory_and_png(tmp_path) -> None:
     (["--model", "llama-1t", "--mesh", "tp=8"], "llama-1t"),
     (["--model", "llama-8b", "--mesh", "tp=8,xp=2"], "xp=2"),
     (["--model", "llama-8b", "--mesh", "tp=0"], "tp=0"),
+    (["--model", "llama-8b", "--mesh", "tp=2", "--repeats", "0"], "--repeats must be >= 1, got 0"),
 ])
 def test_bad_arguments_exit_2_naming_them(argv, needle, capsys) -> None:
     assert main(["plan", *argv]) == 2

@@ -20,7 +20,7 @@ from ._derive import Derived, derive_entry
 from ._digest import agree, digest, gather_hosts, local_world_size
 from ._hosts import host_id
 from ._local_plan import plan_for_rank
-from ._plan import GlobalPlan, Want
+from ._plan import GlobalPlan, HostBlocks, Want
 
 __all__ = ["derived_plan", "ensure_groups", "metadata_digest"]
 
@@ -87,9 +87,9 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
         logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
         return None
     assert entries is not None
-    hosts: list[Any] | None = None
+    hosts: Sequence[Any] | None = None
     if broadcast:
-        hosts = ([r // local_world for r in range(world)] if decided.hosts_derived
+        hosts = (HostBlocks(world, local_world) if decided.hosts_derived
                  else gather_hosts(platform, host, watch))
     plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
                          same_host_reads=same_host_reads)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._derive import Derived, held_boxes
-from ._plan import SPLIT_BYTES, GlobalPlan
+from ._derive import Derived
+from ._plan import BROADCASTABLE, SPLIT_BYTES, GlobalPlan
 
-__all__ = ["plan_for_rank", "restrict"]
+__all__ = ["held_by", "plan_for_rank", "restrict"]
 
 
 def plan_for_rank(tensors: Mapping[str, Any], entries: Sequence[Derived], rank: int, world: int, *,
@@ -36,9 +36,17 @@ def plan_for_rank(tensors: Mapping[str, Any], entries: Sequence[Derived], rank: 
     auto = hosts is not None if same_host_reads is None else bool(same_host_reads)
     builder = PlanBuilder(world, broadcast=broadcast, hosts=hosts, same_host_reads=auto,
                           split_bytes=split_bytes, custom=False, only=rank)
-    for name, held in held_boxes([e for e in entries if e.name in tensors]).items():
-        builder.add_tensor(name, tensors[name], held)
+    for e in entries:
+        if e.name in tensors:
+            builder.add_tensor(e.name, tensors[e.name], held_by(e))
     return builder.finish(tensors)
+
+
+def held_by(entry: Derived) -> dict[tuple[Any, ...], tuple[tuple[int, ...], bool]]:
+    """``PlanBuilder.add_tensor``'s input for one derived entry. The holder tuples are the
+    entry's own (shared by every tensor of one layout), which the builder interns by id."""
+    ok = bool(entry.flags & BROADCASTABLE)
+    return {(o, s, entry.dtype): (h, ok) for o, s, h in entry.boxes}
 
 
 def restrict(plan: GlobalPlan, rank: int) -> tuple[list[Any], list[Any]]:

@@ -24,6 +24,7 @@ __all__ = [
     "VIEWS",
     "GlobalPlan",
     "GreedyPlanner",
+    "HostBlocks",
     "Planner",
     "ReadItem",
     "Want",
@@ -37,9 +38,10 @@ BROADCASTABLE = 1
 #: (informational: destinations without views receive through a staging tensor).
 VIEWS = 2
 
-#: Smallest row slab a shared interval is cut into (see ``_owners.SLABS_PER_UNIT`` for how
-#: many): huge tensors (an embedding, an lm_head) are read by several owners, and each
-#: holder set's owners get several slabs to balance. Measured on the 70B-like plan of
+#: Smallest row slab a shared interval of 8 or more boxes is cut into (fewer boxes: see
+#: ``_owners.BOXES_PER_SLAB``; how many: ``_owners``): huge tensors (an embedding, an
+#: lm_head) are read by several owners, and each holder set's owners get several slabs to
+#: balance. Measured on the 70B-like plan of
 #: benchmarks/bench_load_plan.py (TP8 x PP8 x DP16 / DP64), max / mean bytes read per rank:
 #: 16 MiB slabs 1.15 / 1.44, 8 MiB slabs 1.10 / 1.16 (the earlier whole-job greedy planner:
 #: 1.10 / 1.14). 8 MiB keeps the fixed costs per slab moderate: ~10 us per narrowed read
@@ -137,12 +139,46 @@ def intersect(chunks: Sequence[Any], offsets: tuple[int, ...], sizes: tuple[int,
     if any(s == 0 for s in sizes):
         return out
     for index, chunk in enumerate(chunks):
-        lo = tuple(max(a, b) for a, b in zip(offsets, chunk.offsets, strict=True))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True))
-        if all(h > low for low, h in zip(lo, hi, strict=True)):
-            out.append((index, lo, tuple(h - low for low, h in zip(lo, hi, strict=True))))
+        if len(chunk.offsets) != len(offsets):
+            raise ValueError(f"intersect: box of {len(offsets)} dims against a chunk of {len(chunk.offsets)}")
+        lo, sz = [], []
+        # plain loops: a rank of a 16k-rank job intersects ~600 boxes while it plans
+        for a, n, b, m in zip(offsets, sizes, chunk.offsets, chunk.sizes):  # noqa: B905 - checked above
+            start, end = max(a, b), min(a + n, b + m)
+            if end <= start:
+                break
+            lo.append(start)
+            sz.append(end - start)
+        else:
+            out.append((index, tuple(lo), tuple(sz)))
     return out
 
+
+
+class HostBlocks(Sequence[int]):
+    """Hosts of ranks placed in contiguous blocks: ``hosts[r] == r // per_host``.
+
+    What ``$LOCAL_WORLD_SIZE`` says (torchrun), given to the planner in place of a list of
+    ``world`` host ids: a rank of a 64k-rank job then plans without building one.
+    """
+
+    def __init__(self, world: int, per_host: int):
+        if per_host < 1 or world < 0:
+            raise ValueError(f"HostBlocks: per_host must be >= 1 and world >= 0, got {per_host} and {world}")
+        self.world, self.per_host = world, per_host
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, rank: Any) -> Any:
+        if isinstance(rank, slice):
+            return [r // self.per_host for r in range(self.world)[rank]]
+        if not -self.world <= rank < self.world:
+            raise IndexError(f"rank {rank} outside a world of {self.world}")
+        return (rank % self.world) // self.per_host
+
+    def __repr__(self) -> str:
+        return f"HostBlocks(world={self.world}, per_host={self.per_host})"
 
 
 @dataclass(frozen=True)
@@ -152,7 +188,12 @@ class GlobalPlan:
     ``broadcasts``: replicated items in the order every rank walks them. ``local``: items
     that each rank of their ``ranks`` reads itself. ``loads``: bytes each rank reads from
     storage. ``unique_bytes``: stored bytes of the distinct boxes any rank wants (what a
-    read-once load fetches in total).
+    read-once load fetches in total). ``fetched_bytes``: stored bytes the plan fetches from
+    storage, counting a box that several ranks of one host read once (they share the page
+    cache, as ``hosts`` says). ``rank``: None for the whole job's plan; for one rank's part
+    of it (``plan_for_rank``), that rank: then ``broadcasts`` and ``local`` hold only items
+    it takes part in, ``loads`` only what the ranks of its holder sets read of them, and
+    the two byte counts only the row intervals it leads (summed over ranks, the job's).
     """
 
     world_size: int
@@ -160,6 +201,8 @@ class GlobalPlan:
     local: tuple[ReadItem, ...]
     loads: tuple[int, ...]
     unique_bytes: int
+    fetched_bytes: int = 0
+    rank: int | None = None
 
     def reads_for(self, rank: int) -> list[ReadItem]:
         """What ``rank`` reads from storage, in order: its broadcast sources first."""

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ._progress import human_bytes
+
 __all__ = ["add_parser", "run"]
 
 
@@ -27,17 +29,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mesh", required=True, help="layout, e.g. tp=8,pp=8,dp=256 (TP innermost, then PP, then DP)")
     p.add_argument("--fsdp", action="store_true", help="shard every tensor's dim 0 over dp (else replicate)")
     p.add_argument("--ranks-per-host", type=int, default=8, help="ranks sharing a page cache (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes and keep "
+                   "each role's fastest (default 3: other work on the machine only adds time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
     p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str]:
@@ -48,7 +44,7 @@ def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str
     for v in values:
         counts[min(bins - 1, int((v - lo) / step))] += 1
     top = max(counts)
-    return [f"  {_human(lo + k * step):>11} - {_human(lo + (k + 1) * step):>11} | "
+    return [f"  {human_bytes(lo + k * step):>9} - {human_bytes(lo + (k + 1) * step):>9} | "
             f"{'#' * max(1 if c else 0, round(width * c / top)):<{width}} {c}" for k, c in enumerate(counts)]
 
 
@@ -83,6 +79,7 @@ def _png(path: str, loads: Sequence[int], title: str) -> None:
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Run ``dcp plan`` with parsed ``args``; 0 on success, 2 on bad input."""
+    from ._plan_summary import summary_text
     from ._simulate import Layout, parse_mesh, simulate
 
     out = out or sys.stdout
@@ -90,9 +87,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         mesh = parse_mesh(args.mesh)
         if args.ranks_per_host < 1:
             raise ValueError(f"--ranks-per-host must be >= 1, got {args.ranks_per_host}")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         tensors = _tensors(args)
         layout = Layout(mesh["tp"], mesh["pp"], mesh["dp"], fsdp=args.fsdp, ranks_per_host=args.ranks_per_host)
-        result = simulate(tensors, layout)
+        result = simulate(tensors, layout, repeats=args.repeats)
         title = f"{args.model or args.checkpoint}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
         if args.png:
             _png(args.png, result["read_bytes_per_rank"], title)
@@ -104,16 +103,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         print(json.dumps(result, sort_keys=True), file=out)
         return 0
     lines = [
-        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {_human(result['unique_bytes'])}",
-        f"planning per rank (slowest of {result['roles_timed']} roles): {result['planning_seconds_max'] * 1e3:.1f} ms "
-        f"wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
+        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {human_bytes(result['unique_bytes'])}",
+        f"planning per rank (slowest of {result['roles_timed']} roles, fastest of {result['timing_repeats']} passes): "
+        f"{result['planning_seconds_max'] * 1e3:.1f} ms wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
-        f"broadcast group sets: {_human(result['group_set_bytes_per_rank_max'])}",
-        f"read per rank: max {_human(result['read_bytes_per_rank_max'])}, mean "
-        f"{_human(result['read_bytes_per_rank_mean'])} (max/mean "
-        f"{result['read_bytes_per_rank_max'] / max(1.0, result['read_bytes_per_rank_mean']):.3f})",
-        f"broadcasts per rank: max {result['broadcasts_per_rank_max']}",
-        f"storage amplification: {result['amplification']:.4f}",
+        f"broadcast group sets: {human_bytes(result['group_set_bytes_per_rank_max'])}",
+        *summary_text(result).split("; "),
         "bytes read per rank:", *histogram(loads),
     ]
     print("\n".join(lines), file=out)

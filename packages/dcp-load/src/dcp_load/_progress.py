@@ -65,15 +65,19 @@ class Progress:
 
     def plan(self, plan: Any, rank: int, tensors: int) -> None:
         """Log a one-line summary of ``plan`` (a ``GlobalPlan``) as seen from ``rank``, its
-        index in the plan; the bar counts up to the bytes that rank reads."""
+        index in the plan, with the numbers ``dcp plan`` prints (``_plan_summary``: the
+        job's for a gathered plan, this rank's replica groups' for a derived one; no
+        collective); the bar counts up to the bytes that rank reads."""
         if not self.on:
             return
+        from ._plan_summary import plan_numbers, summary_text
+
         reads = plan.reads_for(rank)
         self.total = sum(item.nbytes for item in reads)
-        logger.info("load plan: %d tensor(s) on %d rank(s); rank %d reads %d piece(s), %s; the job "
-                    "reads %s for %s of distinct data; %d piece(s) are broadcast", tensors,
-                    plan.world_size, rank, len(reads), human_bytes(self.total), human_bytes(sum(plan.loads)),
-                    human_bytes(plan.unique_bytes), len(plan.broadcasts))
+        numbers = plan_numbers(plan)
+        logger.info("load plan: %d tensor(s) on %d rank(s); rank %d reads %d piece(s), %s; %s: %s", tensors,
+                    plan.world_size, rank, len(reads), human_bytes(self.total), numbers["scope"],
+                    summary_text(numbers))
 
     def phase(self, name: str, seconds: float, nbytes: int = 0) -> None:
         """Log one finished phase with its time and the bytes it moved (if any)."""

@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["Piece", "intervals", "row_bytes", "split_rows", "sub_box"]
+__all__ = ["Piece", "intervals", "row_bytes", "split_rows", "stripe_rows", "sub_box"]
 
 #: (global offsets, sizes, destination dtype, ranks wanting it, all of them broadcastable)
 Piece = tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...], bool]
@@ -63,6 +63,27 @@ def split_rows(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+def stripe_rows(start: int, nbytes: int, lo: int, hi: int, rb: int, total: int, stripes: int
+                ) -> list[tuple[int, int, int]]:
+    """Rows ``[lo, hi)`` (``rb`` bytes each; 0: one indivisible item) at byte ``start`` of a
+    stream of ``total`` bytes cut into ``stripes`` equal stripes: (first row, end row,
+    stripe) per piece, cut at the row nearest each stripe boundary. A piece belongs to the
+    stripe holding its middle byte."""
+    if not rb or hi - lo <= 1:
+        return [(lo, hi, (start + nbytes // 2) * stripes // total)]
+    first, last = start * stripes // total, (start + nbytes - 1) * stripes // total
+    cuts = [lo]
+    for j in range(first + 1, last + 1):
+        boundary = -(-j * total // stripes)  # first byte of stripe j
+        row = min(hi, lo + (boundary - start + rb // 2) // rb)
+        if row > cuts[-1]:
+            cuts.append(row)
+    if cuts[-1] < hi:
+        cuts.append(hi)
+    return [(a, b, (start + (a - lo) * rb + (b - a) * rb // 2) * stripes // total)
+            for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
 def sub_box(piece: Piece, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -20,6 +20,7 @@ bytes wanted.
 
 from __future__ import annotations
 
+import gc
 import math
 import pickle
 import re
@@ -158,16 +159,19 @@ def gathered_wants(tensors: Mapping[str, Any], layout: Layout) -> tuple[list[lis
     return wants, [layout.host(r) for r in range(layout.world)]
 
 
-def _time_role(tensors: Mapping[str, Any], layout: Layout, stage: int, rank: int,
-               entries: Sequence[Derived]) -> tuple[float, float]:
+def _time_role(tensors: Mapping[str, Any], layout: Layout, rank: int, entries: Sequence[Derived]
+               ) -> tuple[float, float]:
     """(wall, CPU) seconds one rank spends planning: derive its entries (cold cache), the
-    digest lanes, and its own plan. CPU time is what a rank with a core to itself waits."""
+    digest lanes, and its own plan. CPU time is what a rank with a core to itself waits.
+    Garbage is collected first, so that the simulation's own garbage is not charged."""
     from ._derived_plan import metadata_digest
     from ._digest import holder_lane
     from ._local_plan import plan_for_rank
+    from ._plan import HostBlocks
 
-    hosts = [layout.host(r) for r in range(layout.world)]
+    hosts = HostBlocks(layout.world, layout.ranks_per_host)
     mesh_boxes.cache_clear()
+    gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
     stage_entries_again = [Derived(e.name, e.shape, e.dtype, e.flags, e.layout, e.holders,
                                    mesh_boxes(e.shape, e.layout[1], e.layout[2], e.layout[3])) for e in entries]
@@ -177,29 +181,16 @@ def _time_role(tensors: Mapping[str, Any], layout: Layout, stage: int, rank: int
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def _fetched(plan: Any, tensors: Mapping[str, Any], layout: Layout) -> int:
-    """Bytes fetched from storage: each box once per host that reads it (ranks of one host
-    share its page cache, so a box its broadcaster fetched is free to its neighbours)."""
-    readers: dict[tuple[Any, ...], set[int]] = {}
-    for item in plan.broadcasts:
-        readers.setdefault((item.name, item.chunk, item.offsets, item.sizes), set()).add(layout.host(item.reader))
-    for item in plan.local:
-        readers.setdefault((item.name, item.chunk, item.offsets, item.sizes), set()).update(
-            layout.host(r) for r in item.ranks)
-    return sum(len(h) * math.prod(k[3]) * tensors[k[0]].itemsize for k, h in readers.items())
-
-
-def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True) -> dict[str, Any]:
-    """The plan's numbers for every rank of ``layout`` (see module docstring)."""
+def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequence[Derived]]) -> dict[str, Any]:
+    """The whole job's reads, stage by stage (a stage's holder sets never leave it)."""
     import numpy as np
 
-    from ._digest import LANES_BYTES
+    from ._local_plan import held_by
     from ._owners import PlanBuilder
-    from ._plan import SPLIT_BYTES
+    from ._plan import SPLIT_BYTES, HostBlocks
 
     world = layout.world
-    per_stage = stage_entries(tensors, layout)
-    hosts = [layout.host(r) for r in range(world)]
+    hosts = HostBlocks(world, layout.ranks_per_host)
     loads = np.zeros(world, dtype=np.int64)
     bcasts = np.zeros(world, dtype=np.int64)
     group_bytes = np.zeros(world, dtype=np.int64)
@@ -207,35 +198,17 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
     for entries in per_stage:
         builder = PlanBuilder(world, broadcast=True, hosts=hosts, same_host_reads=True, split_bytes=SPLIT_BYTES,
                               custom=False)
-        from ._derive import held_boxes
-
-        for name, held in held_boxes(entries).items():
-            builder.add_tensor(name, tensors[name], held)
+        for e in entries:
+            builder.add_tensor(e.name, tensors[e.name], held_by(e))
         plan = builder.finish(tensors)
         loads += np.asarray(plan.loads, dtype=np.int64)
         unique += plan.unique_bytes
-        fetched += _fetched(plan, tensors, layout)
-        groups = Counter(i.ranks for i in plan.broadcasts)
-        for ranks, count in groups.items():
+        fetched += plan.fetched_bytes  # a box once per host that reads it (a shared page cache)
+        for ranks, count in Counter(i.ranks for i in plan.broadcasts).items():
             idx = np.asarray(ranks)
             bcasts[idx] += count
             group_bytes[idx] += len(pickle.dumps(ranks))  # the group sets a rank reports once
-    seconds, cpu = [], []
-    if time_roles:
-        _time_role(tensors, layout, 0, 0, per_stage[0])  # warm-up: imports and first-call costs
-        for stage, entries in enumerate(per_stage):
-            for tp_i in range(layout.tp):
-                wall, used = _time_role(tensors, layout, stage, layout.rank(0, stage, tp_i), entries)
-                seconds.append(wall)
-                cpu.append(used)
     return {
-        "world_size": world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
-        "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
-        "planning_seconds_max": max(seconds, default=0.0),
-        "planning_seconds_median": float(np.median(seconds)) if seconds else 0.0,
-        "planning_cpu_seconds_max": max(cpu, default=0.0),
-        "planning_cpu_seconds_median": float(np.median(cpu)) if cpu else 0.0,
-        "exchanged_bytes_per_rank_max": LANES_BYTES,
         "group_set_bytes_per_rank_max": int(group_bytes.max()) if world else 0,
         "read_bytes_per_rank_max": int(loads.max()), "read_bytes_per_rank_mean": float(loads.mean()),
         "read_bytes_total": int(loads.sum()), "unique_bytes": unique,
@@ -243,4 +216,39 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
         "storage_bytes": fetched,
         "amplification": fetched / unique if unique else 0.0,
         "read_bytes_per_rank": loads.tolist(),
+    }
+
+
+def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True,
+             repeats: int = 1) -> dict[str, Any]:
+    """The plan's numbers for every rank of ``layout`` (see module docstring). ``repeats``:
+    time every role in this many passes and keep each role's fastest (wall and CPU each),
+    which on a shared machine estimates a rank with a core to itself."""
+    import numpy as np
+
+    from ._digest import LANES_BYTES
+
+    per_stage = stage_entries(tensors, layout)
+    job = _job(tensors, layout, per_stage)
+    seconds: list[float] = []
+    cpu: list[float] = []
+    if time_roles:
+        _time_role(tensors, layout, 0, per_stage[0])  # warm-up: imports and first-call costs
+        roles = [(layout.rank(0, stage, tp_i), entries) for stage, entries in enumerate(per_stage)
+                 for tp_i in range(layout.tp)]
+        seconds, cpu = [float("inf")] * len(roles), [float("inf")] * len(roles)
+        for _ in range(max(1, repeats)):  # whole passes: a burst of other work spoils one pass
+            for k, (rank, entries) in enumerate(roles):
+                wall, used = _time_role(tensors, layout, rank, entries)
+                seconds[k], cpu[k] = min(seconds[k], wall), min(cpu[k], used)
+    return {
+        "world_size": layout.world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
+        "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
+        "timing_repeats": max(1, repeats) if time_roles else 0,
+        "planning_seconds_max": max(seconds, default=0.0),
+        "planning_seconds_median": float(np.median(seconds)) if seconds else 0.0,
+        "planning_cpu_seconds_max": max(cpu, default=0.0),
+        "planning_cpu_seconds_median": float(np.median(cpu)) if cpu else 0.0,
+        "exchanged_bytes_per_rank_max": LANES_BYTES,
+        **job,
     }
