@@ -95,9 +95,12 @@ def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict
     os.environ[HOST_ID_ENV] = f"node{node}"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
-    # Warm-up: the first load imports modules and touches library pages; keep those bytes
-    # out of the measured loads.
-    dcp_load.load(_states(mesh, rank)["dp2_tp2"], checkpoint_id=copies[node])
+    # Warm-up: every case once, in the measured mode, before any measurement. A first load
+    # along a code path imports modules and faults in library pages (read from the disk when
+    # they are not cached: a fresh machine, or another process dropping the page cache);
+    # keep those bytes out of the measured loads.
+    for state in _states(mesh, rank).values():
+        dcp_load.load(state, checkpoint_id=copies[node], broadcast_replicated_tensors=mode)
     for case, state in _states(mesh, rank).items():
         dist.barrier()
         if rank % 2 == 0:
