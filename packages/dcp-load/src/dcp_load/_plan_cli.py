@@ -107,7 +107,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         f"planning per rank (slowest of {result['roles_timed']} roles, fastest of {result['timing_repeats']} passes): "
         f"{result['planning_seconds_max'] * 1e3:.1f} ms wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "
-        f"broadcast group sets: {human_bytes(result['group_set_bytes_per_rank_max'])}",
+        f"broadcast group sets: 0 B on gloo and NCCL (groups made by their members), "
+        f"{human_bytes(result['group_set_bytes_per_rank_max'])} where they are gathered (HCCL, MindSpore)",
         *summary_text(result).split("; "),
         "bytes read per rank:", *histogram(loads),
     ]
