@@ -72,7 +72,8 @@ def test_hosts_keep_one_host_replicas_local_and_broadcast_across_hosts() -> None
     # ranks 0,1 want rows 0-3 (both on host a); ranks 2,3 want rows 4-7 (hosts a and b)
     wants = [[("w", (0, 0), (4, 4), BOTH)]] * 2 + [[("w", (4, 0), (4, 4), BOTH)]] * 2
     plan = build_global_plan(tensors, wants, hosts=["a", "a", "a", "b"])
-    assert [(i.offsets, i.ranks) for i in plan.local] == [((0, 0), (0, 1))]
+    # one of the host's holders fetches (and verifies) rows 0-3; the other re-reads its page cache
+    assert [(i.offsets, i.ranks, i.cached) for i in plan.local] == [((0, 0), (0,), False), ((0, 0), (1,), True)]
     assert [(i.offsets, i.ranks) for i in plan.broadcasts] == [((4, 0), (2, 3))]
     assert plan.loads == (64, 64, 64, 0)
     # without hosts, both boxes are read once and broadcast

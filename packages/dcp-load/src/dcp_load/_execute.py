@@ -92,11 +92,14 @@ def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: A
     """Read one piece into ``dest``. A torch destination of the checkpoint's dtype is read
     in place (``CheckpointReader.read_into``: straight into a contiguous destination, one
     copy instead of two); a cast, or a MindSpore destination, goes through ``read`` and the
-    adapter's copy."""
+    adapter's copy. Block checksums are verified by the rank that fetches a box for its
+    host, not again by the ranks that re-read it from that host's page cache."""
+    verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
     if target.adapter.name == "torch" and target.dtype == saved_dtype:
-        reader.read_into(item.name, chunk, item.offsets, item.sizes, dest)
+        reader.read_into(item.name, chunk, item.offsets, item.sizes, dest, verify=verify)
         return
-    data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework)
+    data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework,
+                       verify=verify)
     target.adapter.copy(dest, data)
 
 

@@ -330,8 +330,8 @@ class PlanBuilder:
                 if len(near) < len(ranks):
                     self._broadcast(name, index, box, nbytes, dtype, ranks, src, home, near, stored)
                     charged.append((src, stored))
-                else:  # every holder is on src's host: each reads it, one fetches
-                    self._local(name, index, box, nbytes, dtype, ranks, stored, 1)
+                else:  # every holder is on src's host: each reads it, src fetches (and verifies)
+                    self._local(name, index, box, nbytes, dtype, ranks, stored, 1, fetcher=src)
                 continue
             box = (tail_o, tail_s) if scalar else ((a, *tail_o), (rows, *tail_s))
             shared = anchor is not None and self.broadcast and ok and len(ranks) > 1
@@ -372,7 +372,7 @@ class PlanBuilder:
             self.broadcasts.append(ReadItem(name, index, box[0], box[1], nbytes, self._group(ranks, src, near),
                                             src, dtype))
         if rest and (only is None or not sent):  # then ``only`` is one of ``rest``
-            self.local.append(ReadItem(name, index, box[0], box[1], nbytes, rest, None, dtype))
+            self.local.append(ReadItem(name, index, box[0], box[1], nbytes, rest, None, dtype, cached=True))
 
     @staticmethod
     def _group(ranks: tuple[int, ...], src: int, near: Sequence[int]) -> tuple[int, ...]:
@@ -386,16 +386,25 @@ class PlanBuilder:
         return tuple(r for r in ranks if r not in skip)
 
     def _local(self, name: str, index: int, box: tuple[Any, ...] | None, nbytes: int, dtype: str,
-               ranks: tuple[int, ...], stored: int, hosts: int) -> None:
+               ranks: tuple[int, ...], stored: int, hosts: int, fetcher: int | None = None) -> None:
         """Every rank of ``ranks`` reads ``box`` itself; ``hosts``: how many of them fetch it
-        from storage (the others read a page cache)."""
+        from storage (the others read a page cache). ``fetcher``: the one rank that fetches
+        it for a host all of ``ranks`` share: its item is its own, the others' is ``cached``."""
         loads = self.loads
         for r in ranks:
             loads[r] += stored
         if self._lead:
             self.fetched += stored * hosts
-        if box is not None and self._mine(ranks):
+        if box is None or not self._mine(ranks):
+            return
+        if fetcher is None:
             self.local.append(ReadItem(name, index, box[0], box[1], nbytes, ranks, None, dtype))
+            return
+        rest = tuple(r for r in ranks if r != fetcher)
+        if self.only is None or self.only == fetcher:
+            self.local.append(ReadItem(name, index, box[0], box[1], nbytes, (fetcher,), None, dtype))
+        if self.only is None or self.only != fetcher:
+            self.local.append(ReadItem(name, index, box[0], box[1], nbytes, rest, None, dtype, cached=True))
 
     # -- the end -----------------------------------------------------------------------
     def settle(self) -> None:

@@ -65,6 +65,9 @@ class ReadItem:
     that want this box (sorted). ``reader``: the rank that reads it and broadcasts it to the
     others of ``ranks``; ``None`` when every rank of ``ranks`` reads it from storage itself.
     ``nbytes``: bytes of the box in the destination dtype ``dtype`` ("" = the checkpoint's).
+    ``cached``: the ranks re-read the box from the page cache of their host, which a
+    broadcast item's reader on that host fetched and checked (block checksums are verified
+    by that reader, once per host, not again by each of these ranks).
     """
 
     name: str
@@ -75,6 +78,7 @@ class ReadItem:
     ranks: tuple[int, ...]
     reader: int | None = None
     dtype: str = ""
+    cached: bool = False
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):

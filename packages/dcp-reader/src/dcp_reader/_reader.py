@@ -144,16 +144,18 @@ class CheckpointReader:
             slices.append(slice(lo, lo + s))
         return t, tuple(slices)
 
-    def _safetensors(self, name: str, dtype: str, chunk: ChunkMeta) -> tuple[Any, BlockSums | None]:
+    def _safetensors(self, name: str, dtype: str, chunk: ChunkMeta, verify: bool = True
+                     ) -> tuple[Any, BlockSums | None]:
         """The open file of a safetensors chunk (entry checked against the metadata) and its
-        parsed block checksums when they are to be verified."""
+        parsed block checksums when they are to be verified (``verify`` and the reader's
+        ``verify_checksums``)."""
         f = self._open(chunk.file, chunk.key)
         e = f.entry(chunk.key)
         if e.shape != chunk.sizes or e.code != to_safetensors(dtype):
             raise MetadataError(f"key {chunk.key!r} is {e.code} {list(e.shape)} in the file but the "
                                 f"metadata says {dtype} {list(chunk.sizes)}; the checkpoint is "
                                 "inconsistent: re-save it", path=f.path, key=chunk.key)
-        if not (self.verify_checksums and chunk.checksum is not None):
+        if not (verify and self.verify_checksums and chunk.checksum is not None):
             return f, None
         sums = self._sums.get((chunk.file, chunk.key))
         if sums is None:
@@ -162,17 +164,18 @@ class CheckpointReader:
         return f, sums
 
     def read(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
-             framework: str = "torch") -> Any:
+             framework: str = "torch", verify: bool = True) -> Any:
         """The box [offsets, offsets + sizes) (global coordinates, inside ``chunk``) of tensor
         ``name``, in memory of its own (read with ``preadv``; possibly a strided view of a
         slightly larger buffer). With ``verify_checksums`` the blocks it touches are checked
-        first (ChecksumError)."""
+        first (ChecksumError); ``verify=False`` skips that for this read (bytes another
+        process on this host read and verified through the same page cache)."""
         if framework not in FRAMEWORKS:
             raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
         t, sl = self._box(name, chunk, offsets, sizes)
         if self.format == "torch-dcp":
             return self._read_dcp(t.dtype, name, chunk, sl, framework)
-        f, sums = self._safetensors(name, t.dtype, chunk)
+        f, sums = self._safetensors(name, t.dtype, chunk, verify)
         if framework == "torch":
             out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
         else:
@@ -183,22 +186,23 @@ class CheckpointReader:
         return out
 
     def read_into(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...],
-                  out: Any) -> None:
+                  out: Any, *, verify: bool = True) -> None:
         """Read the box into ``out``, a CPU torch tensor or numpy array of the box's shape and
         of the tensor's item size. A box contiguous in the file read into a contiguous ``out``
         goes straight there (one copy instead of two); anything else is ``read`` + copy.
-        On ChecksumError ``out`` may hold the bytes that failed verification."""
+        On ChecksumError ``out`` may hold the bytes that failed verification. ``verify``: as
+        for ``read``."""
         t, sl = self._box(name, chunk, offsets, sizes)
         raw = _raw_bytes(out, tuple(sizes), t.itemsize)
         if raw is not None and self.format != "torch-dcp":
-            f, sums = self._safetensors(name, t.dtype, chunk)
+            f, sums = self._safetensors(name, t.dtype, chunk, verify)
             if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name, worker=self._hasher):
                 self._bytes_read += math.prod(sizes) * t.itemsize
                 return
         elif raw is not None and self._read_dcp_into(t.dtype, name, chunk, sl, raw):
             return
         framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
-        data = self.read(name, chunk, offsets, sizes, framework=framework)
+        data = self.read(name, chunk, offsets, sizes, framework=framework, verify=verify)
         if framework == "numpy":
             import numpy as np
 
