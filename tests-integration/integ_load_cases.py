@@ -172,8 +172,8 @@ def run_case(results: dict[str, Any], case: str, fn: Callable[[list[str]], Any])
 
 
 class FailingReader:
-    """A CheckpointReader whose first read of more than one element fails (the 1-element
-    validation probes pass), as a disk error after validation would."""
+    """A CheckpointReader whose first read of more than one element fails (validation's
+    checks pass), as a disk error after validation would."""
 
     def __init__(self, inner: Any, fail: bool):
         self.inner, self.fail, self.reads = inner, fail, 0
@@ -191,9 +191,9 @@ class FailingReader:
         self._maybe_fail(name, sizes)
         return self.inner.read(name, chunk, offsets, sizes, **kw)
 
-    def read_into(self, name: str, chunk: Any, offsets: Any, sizes: Any, out: Any) -> None:
+    def read_into(self, name: str, chunk: Any, offsets: Any, sizes: Any, out: Any, **kw: Any) -> None:
         self._maybe_fail(name, sizes)
-        self.inner.read_into(name, chunk, offsets, sizes, out)
+        self.inner.read_into(name, chunk, offsets, sizes, out, **kw)
 
 
 def report(r: Any) -> dict[str, Any]:
