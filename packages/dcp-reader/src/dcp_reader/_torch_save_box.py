@@ -17,6 +17,7 @@ from typing import Any
 from ._dtypes import itemsize, numpy_bits_dtype
 from ._pread import pread_into
 from ._safetensors_file import _Box
+from ._scatter import pread_runs
 from ._torch_save_zip import BlobTensor, CannotNarrow, parse_blob
 
 logger = logging.getLogger(__name__)
@@ -113,12 +114,20 @@ def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...]
 
 def read_box_into(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...], out: Any, *,
                   path: str, key: str, counts: dict[str, int]) -> int | None:
-    """Read a box that is row-major contiguous in the file straight into ``out`` (a writable
-    uint8 buffer of its size); the bytes read, or None (nothing read) for any other box."""
+    """Read a box of a row-major tensor straight into ``out`` (a writable uint8 buffer of its
+    size): one read when it is contiguous in the file, else scattering reads of its runs
+    (``_scatter``: a dim-1 half goes into place without a span-sized buffer); the bytes
+    read, or None (nothing read) for a tensor saved in another layout."""
     width = itemsize(t.dtype)
     _, lo, hi, contiguous = _span(t, slices, width)
     if not contiguous:
-        return None
+        if not t.c_contiguous:
+            return None
+        box = _Box(t.shape, width, slices)
+        if box.nbytes:
+            counts["narrowed"] += 1
+            pread_runs(fd, out, blob_offset + t.start, box.run_offsets(), box.run_bytes, path=path, key=key)
+        return box.nbytes
     if hi > lo:
         counts["narrowed"] += 1
         pread_into(fd, out, blob_offset + t.start + lo, path=path, key=key)
