@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_platform import PeerFailure
@@ -85,10 +86,6 @@ def _flags(target: Target, caps: Any, broadcast: bool) -> int:
     if target.adapter.views:
         flags |= VIEWS
     return flags
-
-
-class _Reported(Exception):
-    """Skips the rest of the preparation when its error is already recorded."""
 
 
 class _Phases:
@@ -231,114 +228,151 @@ def _fallback_platform(exc: Exception) -> Any:
     return get_platform("torch")
 
 
+@dataclass
+class _Prepared:
+    """What the preparation found on this rank (each list empty after a reported error)."""
+
+    reader: Any
+    owned: bool = False
+    targets: list[Target] = field(default_factory=list)
+    values: list[Any] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    outside: list[str] = field(default_factory=list)
+    tied: list[tuple[str, str]] = field(default_factory=list)
+    cast: list[str] = field(default_factory=list)
+    wants: list[Want] = field(default_factory=list)
+    by_value: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: Any, broadcast: bool, *,
+             checkpoint_id: Any, allow_pickle: bool, tied_weights: Mapping[str, str] | None, strict: bool,
+             allow_dtype_cast: bool) -> None:
+    """Targets, the reader, and every check that needs no other rank; a problem is added
+    to ``errors`` (never raised: it must reach the exchange so that other ranks raise too)."""
+    if errors:
+        return
+    try:
+        tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
+        prep.by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
+        prep.values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+        prep.outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
+        targets = [target_for(leaf) for leaf in tensor_leaves if in_mesh(leaf.value)]
+        if prep.reader is None:
+            from dcp_reader import open_checkpoint
+
+            prep.reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=platform.rank())
+            prep.owned = True
+        metadata = prep.reader.metadata
+        errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
+        errors.extend(errs)
+        errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
+        errors.extend(errs)
+        errs, prep.cast = check_dtypes(targets, metadata, allow_dtype_cast)
+        errors.extend(errs)
+        prep.targets = targets
+        caps = platform.capabilities
+        prep.wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast), t.dtype)
+                      for t in targets for b in t.boxes]
+    except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
+        errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepared, errors: list[str],
+               phases: _Phases, *, mode: Any, broadcast: bool, batch_bytes: int, planner: Any) -> tuple[Any, bool]:
+    """(the plan, whether it was derived). Ends the ``prepare`` and ``plan`` phases."""
+    reader = prep.reader
+    # The settings that shape the collectives travel with the wants: ranks that differ
+    # would walk different broadcast schedules and hang, so they fail together instead.
+    settings = (mode if broadcast else False, batch_bytes)
+    # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
+    # plain tensors, ranks exchange a fixed-size digest instead of their wants.
+    plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
+                        failed=bool(errors), settings=settings, broadcast=broadcast,
+                        same_host_reads=mode == AUTO, custom_planner=planner is not None,
+                        watch=coord.waiter) if collective else None
+    if plan is not None:
+        phases.end("prepare")
+        phases.end("plan")
+        return plan, True
+    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, reader)
+    phases.end("prepare")
+    plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
+                             hosts=hosts, same_host_reads=mode == AUTO)
+    phases.end("plan")
+    return plan, False
+
+
+def _run(coord: Coordinator, platform: Any, plan: Any, me: int, prep: _Prepared, phases: _Phases, *,
+         derived: bool, groups: Any, batch_bytes: int) -> Any:
+    """Read and broadcast this rank's part of ``plan`` (the ``execute`` phase)."""
+    rank = platform.rank()
+    coord.phase = "execute"
+    groups, close_groups = (ensure_groups(platform, plan, groups, coord.waiter) if derived else (groups, False))
+    try:
+        stats = execute(platform, prep.reader, plan, me, {t.name: t for t in prep.targets}, batch_bytes=batch_bytes,
+                        groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
+    except PeerFailure:
+        raise  # another rank's failure: the coordinator names it
+    except Exception as exc:
+        if close_groups:
+            groups.close(wait_for_peers=False)
+        raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+    if close_groups:
+        groups.close()
+    phases.end("execute", stats.bytes_read + stats.bytes_received)
+    return stats
+
+
 def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], errors: list[str], *,
           checkpoint_id: Any, storage_reader: Any, planner: Any, broadcast_replicated_tensors: Any,
           broadcast_groups: Any, broadcast_batch_bytes: int, strict: bool, allow_pickle: bool,
           tied_weights: Mapping[str, str] | None, allow_dtype_cast: bool) -> LoadReport:
-    """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``)."""
-    rank = platform.rank()
+    """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``):
+    prepare, plan, validate, execute, finish."""
     broadcast = collective and bool(broadcast_replicated_tensors)
-    phases = _Phases(rank)
-
-    reader, owned = storage_reader, False
-    targets: list[Target] = []
-    values: list[Any] = []
-    missing: list[str] = []
-    outside: list[str] = []
-    tied: list[tuple[str, str]] = []
-    cast: list[str] = []
-    wants: list[Want] = []
-    by_value: dict[str, Any] = {}
+    phases = _Phases(platform.rank())
+    prep = _Prepared(reader=storage_reader)
     try:
-        try:
-            if errors:
-                raise _Reported()
-            tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
-            by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
-            values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
-            outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
-            tensor_leaves = [leaf for leaf in tensor_leaves if in_mesh(leaf.value)]
-            targets = [target_for(leaf) for leaf in tensor_leaves]
-            if reader is None:
-                from dcp_reader import open_checkpoint
+        _prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
+                 tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast)
+        plan, derived = _make_plan(coord, platform, collective, prep, errors, phases,
+                                   mode=broadcast_replicated_tensors, broadcast=broadcast,
+                                   batch_bytes=broadcast_batch_bytes, planner=planner)
+        me = platform.rank() if collective else 0
+        phases.progress.plan(plan, me, len(prep.targets))
 
-                reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=rank)
-                owned = True
-            errs, targets, tied = resolve_aliases(targets, reader, tied_weights)
-            errors.extend(errs)
-            errs, targets, values, missing = check_targets(targets, values, reader.metadata, strict)
-            errors.extend(errs)
-            errs, cast = check_dtypes(targets, reader.metadata, allow_dtype_cast)
-            errors.extend(errs)
-            caps = platform.capabilities
-            wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast), t.dtype)
-                     for t in targets for b in t.boxes]
-        except _Reported:
-            pass
-        except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
-            errors.append(f"{type(exc).__name__}: {exc}")
-        # The settings that shape the collectives travel with the wants: ranks that differ
-        # would walk different broadcast schedules and hang, so they fail together instead.
-        settings = (broadcast_replicated_tensors if broadcast else False, broadcast_batch_bytes)
-        # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
-        # plain tensors, ranks exchange a fixed-size digest instead of their wants.
-        plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, wants, by_value,
-                            failed=bool(errors), settings=settings, broadcast=broadcast,
-                            same_host_reads=broadcast_replicated_tensors == AUTO,
-                            custom_planner=planner is not None, watch=coord.waiter) if collective else None
-        derived = plan is not None
-        if plan is None:  # the gathered path
-            gathered, hosts = _gather_wants(coord, errors, collective, wants, settings, broadcast, reader)
-        phases.end("prepare")
-
-        if plan is None:
-            plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                                     hosts=hosts, same_host_reads=broadcast_replicated_tensors == AUTO)
-        me = rank if collective else 0
-        reads = plan.reads_for(me)
-        phases.end("plan")
-        phases.progress.plan(plan, me, len(targets))
-
-        errs, got = check_reads(reader, reads, values)
+        errs, got = check_reads(prep.reader, plan.reads_for(me), prep.values)
         coord.check(errs, "validate", collective=collective)
         phases.end("validate")
 
-        by_name = {t.name: t for t in targets}
-        coord.phase = "execute"
-        groups, close_groups = (ensure_groups(platform, plan, broadcast_groups, coord.waiter) if derived
-                                else (broadcast_groups, False))
-        try:
-            stats = execute(platform, reader, plan, me, by_name, batch_bytes=broadcast_batch_bytes,
-                            groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
-        except PeerFailure:
-            raise  # another rank's failure: the coordinator names it
-        except Exception as exc:
-            if close_groups:
-                groups.close(wait_for_peers=False)
-            raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
-        if close_groups:
-            groups.close()
-        phases.end("execute", stats.bytes_read + stats.bytes_received)
-
+        stats = _run(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
+                     batch_bytes=broadcast_batch_bytes)
         job_read, job_unique = coord.check(stats.errors, "execute", collective=collective,
                                            sums=(stats.bytes_read, plan.unique_bytes))
-        for leaf in values:
+        for leaf in prep.values:
             leaf.replace(got[leaf.name])
         phases.end("finish")
     finally:
         phases.progress.close()
-        if owned and reader is not None:
-            reader.close()
+        if prep.owned and prep.reader is not None:
+            prep.reader.close()
+    return _report(platform, collective, prep, plan, stats, phases,
+                   job_read=job_read, job_unique=job_unique if derived else plan.unique_bytes)
+
+
+def _report(platform: Any, collective: bool, prep: _Prepared, plan: Any, stats: Any, phases: _Phases, *,
+            job_read: int, job_unique: int) -> LoadReport:
     seconds = dict(phases.seconds)
     seconds["total"] = time.perf_counter() - phases.start
+    reader, rank = prep.reader, platform.rank()
     report = LoadReport(
         rank=rank, world_size=platform.world_size() if collective else 1, format=reader.format,
-        tensors=len(targets), values=len(values),
-        bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in targets),
+        tensors=len(prep.targets), values=len(prep.values),
+        bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in prep.targets),
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=job_read,
-        job_unique_bytes=job_unique if derived else plan.unique_bytes, seconds=seconds,
-        missing=tuple(missing), cast=tuple(cast), skipped_not_in_mesh=tuple(outside), tied=tuple(tied),
+        job_unique_bytes=job_unique, seconds=seconds, missing=tuple(prep.missing), cast=tuple(prep.cast),
+        skipped_not_in_mesh=tuple(prep.outside), tied=tuple(prep.tied),
     )
     phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
