@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._plan import GlobalPlan, ReadItem
@@ -103,6 +103,43 @@ def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: A
     target.adapter.copy(dest, data)
 
 
+@dataclass
+class _Schedule:
+    """This rank's side of the broadcasts: one ``BroadcastItem`` per plan broadcast, the
+    event of each read position that feeds one (this rank's sources, in order), and the
+    staging tensors of destinations that cannot take a broadcast in place (a sub-box of a
+    MindSpore tensor, which has no aliasing views), copied into place once every broadcast
+    has completed."""
+
+    items: list[Any] = field(default_factory=list)
+    events: dict[int, threading.Event] = field(default_factory=dict)  # read position -> event
+    by_item: dict[int, threading.Event] = field(default_factory=dict)  # broadcast index -> event
+    staged: list[tuple[Target, ReadItem, Any]] = field(default_factory=list)
+    staged_at: dict[int, Any] = field(default_factory=dict)  # read position -> staging tensor
+
+    @classmethod
+    def of(cls, platform: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target]) -> _Schedule:
+        from dcp_broadcast import BroadcastItem
+
+        out = cls()
+        for index, item in enumerate(plan.broadcasts):
+            tensor = None
+            if rank in item.ranks:
+                target = targets[item.name]
+                if target.adapter.views or (item.offsets == target.offsets and item.sizes == target.sizes):
+                    tensor = target.view(item.offsets, item.sizes)
+                else:
+                    tensor = platform.empty(item.sizes, platform.dtype_from_name(target.dtype))
+                    out.staged.append((target, item, tensor))
+            if item.reader == rank:
+                position = len(out.events)
+                out.events[position] = out.by_item[index] = threading.Event()
+                if out.staged and out.staged[-1][1] is item:
+                    out.staged_at[position] = tensor
+            out.items.append(BroadcastItem(src=item.reader, ranks=item.ranks, nbytes=item.nbytes, tensor=tensor))
+        return out
+
+
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
             batch_bytes: int, groups: Any = None, watch: Any = None,
             on_read: Callable[[int], None] | None = None) -> ExecuteStats:
@@ -112,36 +149,10 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     ``on_read(nbytes)`` is called on the read-ahead thread after each piece is in place.
     """
     reads = plan.reads_for(rank)
-    # Which read positions feed which broadcast items (this rank's sources, in order).
-    events: dict[int, threading.Event] = {}
-    by_item: dict[int, threading.Event] = {}
-    items = []
-    position = 0
-    from dcp_broadcast import BroadcastItem
-
-    # Destinations that cannot take a broadcast in place (a sub-box of a MindSpore tensor,
-    # which has no aliasing views) go through a staging tensor of the piece's size, copied
-    # into place once every broadcast has completed.
-    staged: list[tuple[Target, ReadItem, Any]] = []
-    staged_at: dict[int, Any] = {}
-    for index, item in enumerate(plan.broadcasts):
-        tensor = None
-        if rank in item.ranks:
-            target = targets[item.name]
-            if target.adapter.views or (item.offsets == target.offsets and item.sizes == target.sizes):
-                tensor = target.view(item.offsets, item.sizes)
-            else:
-                tensor = platform.empty(item.sizes, platform.dtype_from_name(target.dtype))
-                staged.append((target, item, tensor))
-        if item.reader == rank:
-            event = threading.Event()
-            events[position] = event
-            by_item[index] = event
-            if staged and staged[-1][1] is item:
-                staged_at[position] = tensor
-            position += 1
-        items.append(BroadcastItem(src=item.reader, ranks=item.ranks, nbytes=item.nbytes, tensor=tensor))
-    assert all(r.reader == rank for r in reads[:position])
+    sched = _Schedule.of(platform, plan, rank, targets)
+    assert all(r.reader == rank for r in reads[:len(sched.events)])
+    items, events, by_item, staged, staged_at = (sched.items, sched.events, sched.by_item, sched.staged,
+                                                 sched.staged_at)
 
     before = reader.bytes_read
     thread = _ReadAhead(reader, reads, targets, events, staged_at, on_read)
