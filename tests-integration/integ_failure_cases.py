@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,21 +38,27 @@ def _state() -> dict[str, torch.Tensor]:
     return {n: torch.full(SHAPE, float("nan")) for n in NAMES}
 
 
-def _outcome(fn: Any) -> dict[str, Any]:
+def outcome(fn: Callable[[], Any], check: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run ``fn``; the LoadError (or other error) it raised and the seconds it took."""
     from dcp_load import LoadError
 
     start = time.monotonic()
     out: dict[str, Any] = {"error": None}
-    state = _state()
     try:
-        fn(state)
-        out["ok"] = all(torch.equal(state[n], full(n)) for n in NAMES)
+        fn()
+        out["ok"] = check() if check is not None else True
     except LoadError as exc:
         out["error"] = {"type": "LoadError", "phase": exc.phase, "ranks": sorted(exc.failures), "message": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - the test asserts on what was raised
         out["error"] = {"type": type(exc).__name__, "message": traceback.format_exc()}
     out["seconds"] = time.monotonic() - start
     return out
+
+
+def _outcome(fn: Any) -> dict[str, Any]:
+    """``outcome`` of ``fn`` on a fresh poisoned state, checked against the saved values."""
+    state = _state()
+    return outcome(lambda: fn(state), lambda: all(torch.equal(state[n], full(n)) for n in NAMES))
 
 
 def _load(state: dict[str, Any], path: str, **kw: Any) -> Any:

@@ -13,12 +13,11 @@ import dataclasses
 import os
 import signal
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from integ_failure_cases import NAMES, SHAPE, full
+from integ_failure_cases import NAMES, SHAPE, full, outcome
 
 #: names of the store-keys checkpoint: enough that a per-name leftover would show
 KEY_NAMES = [f"k.{i}" for i in range(96)]
@@ -27,23 +26,6 @@ KEY_SHAPE = (8, 4)
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def outcome(fn: Callable[[], Any], check: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Run ``fn``; the LoadError (or other error) it raised and the seconds it took."""
-    from dcp_load import LoadError
-
-    start = time.monotonic()
-    out: dict[str, Any] = {"error": None}
-    try:
-        fn()
-        out["ok"] = check() if check is not None else True
-    except LoadError as exc:
-        out["error"] = {"type": "LoadError", "phase": exc.phase, "ranks": sorted(exc.failures), "message": str(exc)}
-    except BaseException as exc:  # noqa: BLE001 - the test asserts on what was raised
-        out["error"] = {"type": type(exc).__name__, "message": traceback.format_exc()}
-    out["seconds"] = time.monotonic() - start
-    return out
 
 
 def _plain_state() -> dict[str, torch.Tensor]:

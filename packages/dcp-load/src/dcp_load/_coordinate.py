@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from ._digest import all_reduce
 from ._errors import LoadError
+from ._validate import exchange
 
 __all__ = ["DEFAULT_TIMEOUT", "Coordinator", "timeout_seconds"]
 
@@ -114,18 +116,10 @@ class Coordinator:
         where gathering every rank's (empty) error list grew with it. Messages are gathered
         only after a failure, to name every failing rank."""
         if not collective:
-            self.exchange(_exchange(), errors, phase, collective=False)
+            self.exchange(exchange, errors, phase, collective=False)
             return [int(v) for v in sums]
-        from ._digest import all_reduce
-
         self.phase = phase
         lanes = all_reduce(self.platform, [int(bool(errors)), *(int(v) for v in sums)], "sum", self.watch)
         if lanes[0]:
-            self.exchange(_exchange(), errors, phase, collective=True)  # some rank failed: raises
+            self.exchange(exchange, errors, phase, collective=True)  # some rank failed: raises
         return lanes[1:]
-
-
-def _exchange() -> Any:
-    from ._validate import exchange
-
-    return exchange
