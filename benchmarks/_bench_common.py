@@ -532,9 +532,11 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     if sampler:
         sampler.__enter__()
     with counter:
+        cpu0 = cpu_seconds()
         t0 = now()
         info = do_load(run, sd, local, ckpt, distributed, tp_rank)
         t1 = now()
+        cpu1 = cpu_seconds()
     if sampler:
         sampler.__exit__(None, None, None)
     io1 = read_bytes()
@@ -548,12 +550,20 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     dest = sum(t.numel() * t.element_size() for t in local.values())
     del sd, local
     return {
-        "rank": rank, "node": node, "t0": t0, "t1": t1, "seconds": t1 - t0,
+        "rank": rank, "node": node, "t0": t0, "t1": t1, "seconds": t1 - t0, "cpu_s": cpu1 - cpu0,
         "read_bytes": io1 - io0, "dest_bytes": dest, "collectives": dict(counter.counts),
         "data_collectives": counter.data_collectives,
         "collective_seconds": dict(counter.seconds), "drop": drop, "verified": checked,
         "memory": sampler.result if sampler else None, "stamps": stamps, **info,
     }
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread (gloo's included), in seconds."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
 
 
 def measure_disk_bandwidth(path: Path) -> dict[str, float]:

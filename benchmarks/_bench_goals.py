@@ -7,6 +7,7 @@ with the option that measures them.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import _bench_attrib
@@ -20,6 +21,7 @@ AMPLIFICATION_SLACK = 1.02
 COLD_VS_TORCH = 0.8
 FLOOR_FACTOR = 1.2
 THROTTLED_VS_TORCH = 0.5
+CORES = os.cpu_count() or 1  # the report is rendered on the machine that ran the benchmark
 
 
 def _rep(res: dict[str, Any], **match: Any) -> list[dict[str, Any]]:
@@ -102,7 +104,23 @@ def _execute_share(res: dict[str, Any], lay: str, mode: str, m: str, **match: An
     parts = ", ".join(f"{k} {median([s.get(k, 0.0) for s in secs]):.2f} s"
                       for k in ("prepare", "plan", "validate", "execute"))
     return (f"dcp rank 0: {parts}; {fmt_bytes(recv)} moved by gloo broadcasts over loopback "
-            "on the machine's 2 shared cores")
+            f"on the machine's {CORES} shared cores{_cpu_bound(res, lay, mode, m, **match)}")
+
+
+def _cpu_bound(res: dict[str, Any], lay: str, mode: str, m: str, **match: Any) -> str:
+    """The CPU the ranks used together against torch DCP's, and the wall time that CPU
+    needs at least on this machine's cores."""
+    def cpu(method: str) -> float | None:
+        xs = [r["summary"]["cpu_s_total"] for r in _rep(res, layout=lay, mode=mode, method=method, **match)
+              if "cpu_s_total" in r["summary"]]
+        return median(xs) if xs else None
+
+    mine, theirs = cpu(m), cpu("torch")
+    if mine is None:
+        return ""
+    other = f" (torch DCP {theirs:.2f} core-s, >= {theirs / CORES:.2f} s)" if theirs is not None else ""
+    return (f"; all ranks used {mine:.2f} core-s of CPU, >= {mine / CORES:.2f} s of wall time on {CORES} "
+            f"cores{other}")
 
 
 def _device_floor(th: dict[str, Any], disk_bps: float | None, wall: float, floor: float) -> str:

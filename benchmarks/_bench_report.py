@@ -378,7 +378,10 @@ def _warm_miss(rep: dict[str, Any]) -> list[str]:
             "mode against torch DCP (median over ranks, attribution table): "
             + "; ".join(f"{rep_mod.LAYOUT_NAMES[lay]}: {col} {g:+.3f} s "
                         f"(job x{rep_mod.ratio_in_run(rep, lay, 'warm', m, 'torch'):.2f})"
-                        for lay, m, g, col in slow) + "."]
+                        for lay, m, g, col in slow) + ". Both loaders copy each wanted byte once from "
+            "the shared page cache (dcp by `preadv` into the destination, its strided reads passing the "
+            "rows' other halves through a small scratch buffer; torch DCP from a memory map), so on one host "
+            "the copy, not the plan, sets the time." + _cpu_line(rep, "warm")]
 
 
 def _link_miss(rep: dict[str, Any], th: dict[str, Any] | None) -> list[str]:
@@ -392,7 +395,28 @@ def _link_miss(rep: dict[str, Any], th: dict[str, Any] | None) -> list[str]:
             "that copy and read. Without a throttle, reading a byte again from the fast local disk "
             "is cheaper here than broadcasting it, which a cluster's storage is not; the throttled "
             "scenario (6) caps storage at a cluster's bandwidth so that the saving shows"
-            + (f" (skipped in this run: {th['skipped']})" if th and th.get("skipped") else "") + "."]
+            + (f" (skipped in this run: {th['skipped']})" if th and th.get("skipped") else "") + "."
+            + _cpu_line(rep, "cold")]
+
+
+def _cpu_line(rep: dict[str, Any], mode: str) -> str:
+    """CPU used by all ranks together, dcp's default against torch DCP, per layout: the wall
+    time that CPU needs at least on this machine's cores."""
+    cores = _bench_goals.CORES
+    parts = []
+    for lay in dict.fromkeys(r["layout"] for r in rep["runs"]):
+        cpu = {m: [r["summary"]["cpu_s_total"] for r in _r(rep, lay, mode, m) if "cpu_s_total" in r["summary"]]
+               for m in ("dcp-auto", "torch")}
+        if cpu["dcp-auto"] and cpu["torch"]:
+            d, t = median(cpu["dcp-auto"]), median(cpu["torch"])
+            parts.append(f"{rep_mod.LAYOUT_NAMES[lay]} {d:.2f} vs {t:.2f} core-s (>= {d / cores:.2f} vs "
+                         f">= {t / cores:.2f} s)")
+    if not parts:
+        return ""
+    return (f" CPU used by all ranks together during the {mode} load, dcp's default against torch DCP, and the "
+            f"wall time it needs at least on {cores} cores: " + "; ".join(parts) + "."
+            + (" Where dcp needs more CPU than torch DCP, the gloo copies of its broadcasts cost more CPU than "
+               "the reads they save." if mode == "cold" else ""))
 
 
 def _peers(res: dict[str, Any]) -> str:

@@ -23,6 +23,8 @@ def summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "collectives_rank0": per_rank[0]["collectives"],
         "dest_bytes_total": sum(r["dest_bytes"] for r in per_rank),
     }
+    if all("cpu_s" in r for r in per_rank):
+        out["cpu_s_total"] = sum(r["cpu_s"] for r in per_rank)
     if per_rank[0].get("report_bytes_read") is not None:
         out["report_bytes_read_total"] = sum(r["report_bytes_read"] or 0 for r in per_rank)
         out["report_bytes_read_per_rank"] = [r["report_bytes_read"] for r in per_rank]

@@ -264,6 +264,8 @@ def tables(res: dict[str, Any]) -> list[str]:
                 row += [fmt_bytes(total), f"{total / unique:.2f}",
                         fmt_bytes(med(res, lay, mode, m, "read_bytes_max")),
                         f"{med(res, lay, mode, m, 'data_collectives_max'):.0f}"]
+                cpu = [r["summary"]["cpu_s_total"] for r in rs if "cpu_s_total" in r["summary"]]
+                row.append(f"{median(cpu):.2f}" if cpu else "-")
                 if floor:
                     row.append(f"{median(walls) / floor:.2f}")
                 rows.append(row)
@@ -274,9 +276,11 @@ def tables(res: dict[str, Any]) -> list[str]:
         out.append(f"### {title}\n\nCheckpoint {fmt_bytes(unique)} (unique bytes); "
                    f"median of {reps} runs; ratio = time / torch DCP's time in the same repeat "
                    "(median of the per-repeat ratios); storage reads from /proc/self/io read_bytes "
-                   f"summed over ranks; amplification = storage reads / unique bytes.{floor_text}\n\n" + table(
+                   f"summed over ranks; amplification = storage reads / unique bytes; CPU = user + system "
+                   f"time of every rank's process during the load (all threads), summed over ranks.{floor_text}\n\n"
+                   + table(
             ["layout", "ranks", "method", "load s (median)", "range", "x torch",
-             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank"]
+             "storage read (all ranks)", "amplification", "max per rank", "collectives/rank", "CPU core-s"]
             + (["x floor"] if floor else []), rows))
     if "cold" in modes and res["disk"]:
         bw = disk_bw(res)
