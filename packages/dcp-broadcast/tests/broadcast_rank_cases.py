@@ -60,12 +60,15 @@ class WatchingPlatform(Platform):
         self.outstanding_noncontig = self.max_outstanding_noncontig = 0
         self.outstanding_staging = self.max_outstanding_staging = 0
         self.waits_returned = 0
-        self.staging: set[int] = set()
+        self.staging: set[int] = set()  # data pointers of the buffers ``empty`` made
+        self.allocations = self.allocated_bytes = 0  # every ``empty`` call, and its bytes
         self.on_event: Any = None  # callable(kind) run at each issue and each wait entry
         self.fail_at: int | None = None  # raise instead of issuing this rank's n-th broadcast
 
     def staging_bytes(self, wire: Any) -> int:
-        return wire.numel() if id(wire) in self.staging else 0
+        """Bytes of ``wire`` when it lies in a buffer ``empty`` made (the buffer itself, or a
+        leading slice of a reused one)."""
+        return wire.numel() * wire.element_size() if wire.untyped_storage().data_ptr() in self.staging else 0
 
     def on_wait_entry(self) -> None:
         if self.on_event is not None:
@@ -123,7 +126,9 @@ class WatchingPlatform(Platform):
 
     def empty(self, shape: Sequence[int], dtype: Any, device: Any = None) -> Any:
         t = self.inner.empty(shape, dtype, device)
-        self.staging.add(id(t))
+        self.staging.add(t.untyped_storage().data_ptr())
+        self.allocations += 1
+        self.allocated_bytes += t.numel() * t.element_size()
         return t
 
     def nbytes(self, tensor: Any) -> int:
@@ -293,7 +298,8 @@ def main_cases(rank: int, world: int) -> dict[str, Any]:
     specs += [Spec(3, (2, 3), (4096,), torch.uint8) for i in range(12)]
     res = _run(watched, rank, specs, batch_bytes=4096, max_in_flight=3)
     res.update(max_outstanding=watched.max_outstanding, outstanding_at_end=watched.outstanding,
-               max_staging=watched.max_outstanding_staging)
+               max_staging=watched.max_outstanding_staging, allocations=watched.allocations,
+               allocated=watched.allocated_bytes)
     out["cap"] = res
 
     # Non-contiguous items sent alone each need a full-size contiguous temporary: at most

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dcp_broadcast._plan import ALIGN
 from dcp_platform.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,6 +75,13 @@ def test_broadcast_in_flight_cap(results):
         assert r["max_outstanding"] == 3
         assert r["outstanding_at_end"] == 0
         assert r["max_staging"] <= 4096 * 3
+        # Staging buffers are reused once their transfer retired: however many batches the
+        # rank takes part in (about 10 here), it allocates at most one per broadcast in
+        # flight, besides the two tiny buffers of the byte-range probe (supports_byte_ranges).
+        assert r["allocations"] <= 3 + 2 and r["allocated"] <= 4096 * 3 + 3 * ALIGN
+    batching = [r for r in _scenario(results, "cap") if r["stats"]["items_batched"]]
+    assert batching and all(r["max_staging"] > 0 and r["stats"]["items_batched"] > 3 * 4096 // 200
+                            for r in batching)
 
 
 def test_broadcast_noncontiguous_temporaries_one_at_a_time(results):
