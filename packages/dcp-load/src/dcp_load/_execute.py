@@ -1,5 +1,9 @@
 """Running the agreed plan: reads on a read-ahead thread, broadcasts on the calling thread.
 
+A rank with nothing to broadcast or receive (one process, or every rank reading for itself)
+reads on up to ``MAX_READ_THREADS`` threads instead, as many as torch's intra-op threads,
+each with a sibling reader, its reads dealt by bytes.
+
 The read-ahead thread reads this rank's pieces in the agreed order, narrowed in the file,
 straight into their destination views: first the pieces this rank broadcasts (in broadcast
 order, so the broadcast scheduler rarely waits), then the pieces only it wants. The calling
@@ -13,6 +17,7 @@ raises on every rank after a final exchange of errors. The thread is joined on e
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -140,6 +145,76 @@ class _Schedule:
         return out
 
 
+#: At most this many threads read at once when a rank has no broadcasts (its reads are all
+#: its own): one process loading 1.08 GiB warm read ~4.5 GB/s on one thread; two threads
+#: copying out of the page cache at once took 0.13 s per GiB against 0.20 s for one
+#: (2-core development machine); more than 4 are not measured.
+MAX_READ_THREADS = 4
+
+
+def read_threads(reads: Sequence[ReadItem], targets: Mapping[str, Target]) -> int:
+    """How many threads read ``reads`` when nothing is broadcast: torch's intra-op thread
+    count (the CPU budget a job gives each process; torchrun sets 1 per rank), capped by
+    ``MAX_READ_THREADS`` and the number of reads; 1 for other frameworks."""
+    if len(reads) < 2 or any(targets[r.name].adapter.name != "torch" for r in reads):
+        return 1
+    import torch
+
+    return max(1, min(MAX_READ_THREADS, torch.get_num_threads(), len(reads)))
+
+
+def split_reads(reads: Sequence[ReadItem], parts: int) -> list[list[ReadItem]]:
+    """``reads`` dealt into ``parts`` lists of about equal bytes: largest first to the list
+    with the fewest bytes (ties to the lower list); each list keeps the plan's order."""
+    loads = [(0, k) for k in range(parts)]
+    owner: dict[int, int] = {}
+    for i in sorted(range(len(reads)), key=lambda i: (-reads[i].nbytes, i)):
+        nbytes, k = heapq.heappop(loads)
+        owner[i] = k
+        heapq.heappush(loads, (nbytes + reads[i].nbytes, k))
+    out: list[list[ReadItem]] = [[] for _ in range(parts)]
+    for i, item in enumerate(reads):
+        out[owner[i]].append(item)
+    return out
+
+
+def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target], threads: int,
+                      on_read: Callable[[int], None] | None) -> ExecuteStats:
+    """Every read of a rank with no broadcasts, on ``threads`` threads, each with its own
+    reader (``CheckpointReader.sibling``: a reader serves one thread at a time)."""
+    lock = threading.Lock()
+
+    def told(nbytes: int) -> None:
+        assert on_read is not None
+        with lock:
+            on_read(nbytes)
+
+    readers = [reader] + [reader.sibling() for _ in range(threads - 1)]
+    before = [r.bytes_read for r in readers]
+    workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None)
+               for r, part in zip(readers, split_reads(reads, threads), strict=True)]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        for w in workers:
+            w.stop.set()
+            if w.ident is not None:
+                w.join()
+        for r in readers[1:]:
+            r.close()
+    logger.debug("read %d piece(s) on %d threads in %.4f s", sum(w.done for w in workers), threads,
+                 max(w.seconds for w in workers))
+    return ExecuteStats(
+        pieces_read=sum(w.done for w in workers),
+        bytes_read=sum(r.bytes_read - b for r, b in zip(readers, before, strict=True)), broadcasts=0,
+        bytes_sent=0, bytes_received=0, read_seconds=max(w.seconds for w in workers), broadcast_seconds=0.0,
+        errors=tuple(e for w in workers for e in w.errors),
+    )
+
+
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
             batch_bytes: int, groups: Any = None, watch: Any = None,
             on_read: Callable[[int], None] | None = None) -> ExecuteStats:
@@ -149,6 +224,11 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     ``on_read(nbytes)`` is called on the read-ahead thread after each piece is in place.
     """
     reads = plan.reads_for(rank)
+    threads = 1 if plan.broadcasts or not hasattr(reader, "sibling") else read_threads(reads, targets)
+    if threads > 1:
+        stats = _read_in_parallel(reader, reads, targets, threads, on_read)
+        platform.synchronize()
+        return stats
     sched = _Schedule.of(platform, plan, rank, targets)
     assert all(r.reader == rank for r in reads[:len(sched.events)])
     items, events, by_item, staged, staged_at = (sched.items, sched.events, sched.by_item, sched.staged,
