@@ -114,3 +114,19 @@ def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict
                      "received": report.bytes_received,
                      "reader_bytes": report.bytes_read, "pieces": report.pieces_read}
     return out
+
+
+def assert_fetched_once(per_rank: list[dict[str, Any]], case: str, mode: Any) -> tuple[int, str]:
+    """For ``case`` of a ``read_once_cases`` run: no wrong value on any rank, and the ranks
+    together fetched at most 1.02 x the case's unique bytes from storage. Returns (unique
+    bytes, a per-rank account for further messages)."""
+    wrong = [w for r in per_rank for w in r[case]["wrong"]]
+    assert not wrong, f"{case}: wrong values in {wrong}"
+    unique = per_rank[0][case]["unique"]
+    fetched = sum(r[case]["fetched"] for r in per_rank)
+    detail = ", ".join(f"rank {i} fetched {r[case]['fetched']}, read {r[case]['reader_bytes']} in "
+                       f"{r[case]['pieces']} pieces" for i, r in enumerate(per_rank))
+    assert unique > 0 and fetched <= 1.02 * unique, (
+        f"{case} ({mode}): fetched {fetched} bytes for {unique} unique ({fetched / max(unique, 1):.3f} x): {detail}")
+    return unique, detail
+

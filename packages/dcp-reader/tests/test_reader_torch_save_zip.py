@@ -218,6 +218,17 @@ def _central(blob: bytes, suffix: bytes) -> int:
     raise AssertionError(suffix)
 
 
+def _parse_file(tmp_path, blob: bytes):
+    """``parse_blob`` of ``blob`` written alone to a file: (layout, bytes read)."""
+    f = tmp_path / "b.bin"
+    f.write_bytes(blob)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        return parse_blob(fd, 0, len(blob), path=str(f), key="t")
+    finally:
+        os.close(fd)
+
+
 def _read_w(path, error=MetadataError, match=None):
     with open_checkpoint(path) as r:
         c = r.metadata.tensors["w"].chunks[0]
@@ -364,13 +375,7 @@ def test_zip64_sizes_are_read_from_the_extra_field(tmp_path):
     eocd = fixed.rfind(b"PK\x05\x06")
     fixed = fixed[:eocd + 12] + struct.pack("<I", cd_size) + fixed[eocd + 16:]
     assert torch.equal(torch.load(io.BytesIO(fixed), weights_only=True), t)  # torch agrees it is valid
-    f = tmp_path / "b.bin"
-    f.write_bytes(fixed)
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        layout, _ = parse_blob(fd, 0, len(fixed), path=str(f), key="t")
-    finally:
-        os.close(fd)
+    layout, _ = _parse_file(tmp_path, fixed)
     got = np.frombuffer(fixed[layout.start:layout.start + 400], dtype=np.int64)
     assert layout.shape == (50,) and np.array_equal(got, t.numpy())
     assert zipfile.ZipFile(io.BytesIO(fixed)).testzip() is None
@@ -386,12 +391,6 @@ def test_torch_save_layout_facts_the_readme_states(tmp_path):
     z = zipfile.ZipFile(io.BytesIO(blob))
     assert all(i.compress_type == zipfile.ZIP_STORED and i.flag_bits & 0x8 for i in z.infolist())
     assert blob.rfind(b"PK\x06\x06") > 0 and blob.rfind(b"PK\x06\x07") > 0
-    f = tmp_path / "b.bin"
-    f.write_bytes(blob)
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        layout, spent = parse_blob(fd, 0, len(blob), path=str(f), key="t")
-    finally:
-        os.close(fd)
+    layout, spent = _parse_file(tmp_path, blob)
     assert layout.start % 64 == 0 and layout.start < HEAD and spent == HEAD + TAIL
     assert blob.find(b"PK\x01\x02") >= len(blob) - TAIL
