@@ -1,6 +1,7 @@
 """dcp-load: load distributed checkpoints with resharding, read-once and batched broadcasts."""
 
 from ._errors import LoadError
+from ._flat import Flat, flat_views
 from ._load import DEFAULT_BATCH_BYTES, load
 from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
 from ._report import LoadReport
@@ -11,6 +12,7 @@ from ._version import __version__
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Chunk",
+    "Flat",
     "GlobalPlan",
     "GreedyPlanner",
     "LoadError",
@@ -20,6 +22,7 @@ __all__ = [
     "SaveReport",
     "__version__",
     "build_global_plan",
+    "flat_views",
     "load",
     "save",
 ]

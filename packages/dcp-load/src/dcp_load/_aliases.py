@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 def alias_key(target: Target) -> Any:
     """What two targets share exactly when they are the same memory (None: never shared)."""
+    if getattr(target, "flat", False):
+        return None  # flat views never tie: one overlapping another is refused (``_flat_target``)
     local = target.local
     if target.adapter.name == "torch":
         if local.numel() == 0:

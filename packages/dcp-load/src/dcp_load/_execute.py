@@ -131,7 +131,7 @@ class _Schedule:
             tensor = None
             if rank in item.ranks:
                 target = targets[item.name]
-                if target.adapter.views or (item.offsets == target.offsets and item.sizes == target.sizes):
+                if target.in_place(item.offsets, item.sizes):
                     tensor = target.view(item.offsets, item.sizes)
                 else:
                     tensor = platform.empty(item.sizes, platform.dtype_from_name(target.dtype))

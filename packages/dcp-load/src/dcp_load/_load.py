@@ -16,11 +16,12 @@ from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._derived_plan import derived_plan, ensure_groups
 from ._errors import LoadError, format_ranks
 from ._execute import execute
+from ._flat_target import check_overlaps
 from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._progress import Progress
 from ._report import LoadReport
-from ._state import Chunk, flatten_state_dict, is_tensor
+from ._state import Chunk, Flat, flatten_state_dict, is_tensor
 from ._targets import Target, in_mesh, target_for
 from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
@@ -69,7 +70,7 @@ def resolve_platform(platform: Any, leaves: Any) -> Any:
         return get_platform(platform)
     for leaf in leaves:
         if is_tensor(leaf.value):
-            value = leaf.value.tensor if isinstance(leaf.value, Chunk) else leaf.value
+            value = leaf.value.tensor if isinstance(leaf.value, (Chunk, Flat)) else leaf.value
             try:
                 return get_platform(tensor=value)
             except ValueError:
@@ -257,6 +258,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
         prep.values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
         prep.outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
         targets = [target_for(leaf) for leaf in tensor_leaves if in_mesh(leaf.value)]
+        errors.extend(check_overlaps(targets))  # a Flat sharing bytes with another entry
         if prep.reader is None:
             from dcp_reader import open_checkpoint
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._errors import LoadError
+from ._flat_target import check_overlaps
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
 from ._state import flatten_state_dict, is_tensor
@@ -149,6 +150,7 @@ def _hold(leaves: list[Any], writer: Any, me: int, errors: list[str]) -> tuple[l
                 holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)
             else:
                 values[leaf.name] = leaf.value
+        errors.extend(check_overlaps(list(targets.values())))  # a Flat sharing bytes with another entry
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
     return holdings, targets, values
@@ -193,7 +195,7 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         if mine:
             from dcp_reader import chunk_key
 
-            data = {chunk_key(i.name, i.offsets): targets[i.name].view(i.offsets, i.sizes) for i in mine}
+            data = {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in mine}
             writer.write_file(_file_name(me), data)
             written, nbytes = len(mine), sum(i.nbytes for i in mine)
         if me == 0:

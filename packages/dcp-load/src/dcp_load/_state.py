@@ -18,7 +18,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Chunk", "Leaf", "flatten_state_dict", "is_tensor"]
+from ._flat import Flat
+
+__all__ = ["Chunk", "Flat", "Leaf", "flatten_state_dict", "is_tensor"]
 
 
 def _shape_of(tensor: Any) -> tuple[int, ...]:
@@ -72,13 +74,13 @@ class Chunk:
 
 
 def is_tensor(value: Any) -> bool:
-    """A value that is loaded in place: a torch or MindSpore tensor, or a ``Chunk``.
+    """A value that is loaded in place: a torch or MindSpore tensor, a ``Chunk`` or a ``Flat``.
 
     Decided by type, subclasses included (torch ``nn.Parameter``; MindSpore ``Parameter``,
     whose class reports module ``abc``, so the module name cannot decide). Frameworks are
     looked up only when already imported, so none is imported here.
     """
-    if isinstance(value, Chunk):
+    if isinstance(value, (Chunk, Flat)):
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):

@@ -3,7 +3,8 @@
 A torch DTensor holds what its mesh and placements give this rank, computed with torch's
 own sharding functions (uneven and strided shards included): one box, or several when its
 local rows are not contiguous in the global tensor (``_StridedShard``); a plain tensor
-holds the whole tensor; a ``Chunk`` holds the box it names.
+holds the whole tensor; a ``Chunk`` holds the box it names; a ``Flat`` holds the boxes of
+its interval (``_flat_target``).
 Framework specifics (views of a sub-box, copies, dtype names) sit behind a small adapter
 per framework; each framework is imported only when a tensor of it is met.
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._state import Chunk, Leaf
+from ._state import Chunk, Flat, Leaf
 
 __all__ = ["Box", "FrameworkAdapter", "Target", "adapter_for", "boxes_at", "dim_indices", "in_mesh", "target_for"]
 
@@ -105,17 +106,22 @@ class _MindSporeAdapter:
                 f"a MindSpore destination of shape {tuple(base.shape)} is a view of another tensor; "
                 "MindSpore on the CPU does not write through views: pass tensors that own their memory"
             )
+        if isinstance(dest, _SubBox) and dest.flat is not None:  # a box of a flat buffer (``_flat_target``)
+            pos, n, box = dest.flat
+            arr = arr.reshape(-1)[pos:pos + n].reshape(box)
         src = src.asnumpy() if hasattr(src, "asnumpy") else np.asarray(src)
         arr[index] = src.reshape(arr[index].shape)
 
 
 @dataclass(frozen=True)
 class _SubBox:
-    """A MindSpore destination sub-box: the tensor and the index that assignment writes."""
+    """A MindSpore destination sub-box: the tensor and the index that assignment writes;
+    ``flat``: (first element, elements, box shape) of a flat buffer's box to index into."""
 
     tensor: Any
     index: tuple[slice, ...]
     shape: tuple[int, ...]
+    flat: tuple[int, int, tuple[int, ...]] | None = None
 
 
 _ADAPTERS: dict[str, FrameworkAdapter] = {}
@@ -238,6 +244,16 @@ class Target:
         raise ValueError(f"{self.name!r}: the global box offsets={offsets} sizes={sizes} lies inside "
                          f"none of this rank's boxes {[(b.offsets, b.sizes) for b in self.boxes]}")
 
+    def in_place(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+        """Whether ``view`` of this box is a tensor that a broadcast writes in place."""
+        return bool(self.adapter.views) or (len(self.boxes) == 1 and self.boxes[0].offsets == tuple(offsets)
+                                            and self.boxes[0].sizes == tuple(sizes))
+
+    def values(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The values of a box this target holds, for writing to a file (``view``, or an
+        array where a framework's sub-box is no tensor)."""
+        return self.view(offsets, sizes)
+
 
 def _runs(index: Any) -> list[tuple[int, int, int]]:
     """(global start, length, local start) of each run of consecutive global indices
@@ -351,6 +367,10 @@ def in_mesh(value: Any) -> bool:
 def target_for(leaf: Leaf) -> Target:
     """The target of a tensor leaf (see ``dcp_load._state.is_tensor``)."""
     value = leaf.value
+    if isinstance(value, Flat):
+        from ._flat_target import flat_target
+
+        return flat_target(leaf.name, value)
     if isinstance(value, Chunk):
         local = value.tensor
         adapter = adapter_for(local)
