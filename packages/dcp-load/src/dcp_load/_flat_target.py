@@ -52,7 +52,7 @@ class FlatTarget(Target):
         if not isinstance(dest, _SubBox):
             return dest
         pos, n, box = dest.flat
-        return dest.tensor.asnumpy().reshape(-1)[pos:pos + n].reshape(box)[dest.index]
+        return dest.tensor.asnumpy().reshape(-1)[pos:pos + n].reshape(box)[(*dest.index, ...)]  # a view, 0-dim too
 
 
 def flat_target(name: str, value: Flat) -> FlatTarget:
