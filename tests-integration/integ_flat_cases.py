@@ -194,6 +194,37 @@ def flat4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
         return report(r)
 
     run_case(results, "zero4_to_dp2tp2", zero4_to_dp2tp2)
+
+    def planning(errors: list[str], whole: bool) -> Any:
+        """DTensors next to a Flat: derived when the Flat holds its whole tensor."""
+        import dcp_load._load as load_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        state = _dtensor_state(mesh, [Replicate(), Shard(0)])
+        t = full("odd.w")
+        lo, n = (0, t.numel()) if whole else (rank * 8, 8)
+        buf = poison_like(torch.empty(n, dtype=t.dtype))
+        state["odd.w"] = dcp_load.Flat(buf, tuple(t.shape), lo)
+        seen: list[bool] = []
+        inner = load_module.derived_plan
+
+        def spy(*a: Any, **k: Any) -> Any:
+            plan = inner(*a, **k)
+            seen.append(plan is not None)
+            return plan
+
+        load_module.derived_plan = spy
+        try:
+            dcp_load.load(state, checkpoint_id=ckpts["hf"])
+        finally:
+            load_module.derived_plan = inner
+        if not same(buf, t.reshape(-1)[lo:lo + n]):
+            errors.append(f"planning whole={whole}: the Flat holds wrong values")
+        _check_dtensors({k: v for k, v in state.items() if k != "odd.w"}, errors, f"planning whole={whole}")
+        return {"derived": seen == [True]}
+
+    run_case(results, "planning_whole", lambda e: planning(e, True))
+    run_case(results, "planning_part", lambda e: planning(e, False))
     return results
 
 

@@ -5,7 +5,8 @@ ZeRO-4 partitions of the per-dtype flat spaces (uneven cuts inside rows and acro
 tensors), each byte read once; DP2 x ZeRO-2, whose replicas read once and broadcast; the
 ragged checkpoint into DP2 x TP2 DTensors; and a ZeRO-4 save (one chunk per box, native
 format) loaded back into DP2 x TP2 DTensors, into whole tensors in one process, and into
-ZeRO-2 partitions on 2 ranks."""
+ZeRO-2 partitions on 2 ranks; derived planning with whole-tensor Flats next to DTensors,
+the gathered plan with partial ones."""
 
 from __future__ import annotations
 
@@ -120,3 +121,8 @@ def test_zero4_save_loads_into_zero2_on_two_ranks(results, ckpts):
     reports = _case(run_ranks(cases.zero2_cases, 2, ckpts["zero4"], timeout=300, pg_timeout=240), "zero2")
     assert [r["bytes_needed"] for r in reports] == [_own(0, 2), _own(1, 2)]
     assert sum(r["bytes_read"] for r in reports) == cases.model_bytes()
+
+
+def test_derived_planning_takes_whole_tensor_flats_and_gathers_otherwise(results):
+    assert [r["derived"] for r in _case(results, "planning_whole")] == [True] * WORLD
+    assert [r["derived"] for r in _case(results, "planning_part")] == [False] * WORLD
