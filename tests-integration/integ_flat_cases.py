@@ -165,6 +165,11 @@ def flat4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     # DP2 x ZeRO-2: ranks 0, 1 and ranks 2, 3 are two replicas of one ZeRO-2 partition
     run_case(results, "dp2_zero2", lambda e: zero(e, "dp2 x zero2", ckpts["hf"], rank % 2, 2,
                                                    broadcast_replicated_tensors=True))
+    # the same from torch DCP's column chunks, unpacked: broadcasts go straight into the
+    # (partly non-contiguous) views of the flat buffers
+    run_case(results, "dp2_zero2_unpacked", lambda e: zero(e, "dp2 x zero2 unpacked", ckpts["tdcp"], rank % 2, 2,
+                                                            broadcast_replicated_tensors=True,
+                                                            broadcast_batch_bytes=0))
 
     def ragged_boxes(errors: list[str]) -> Any:  # the seed's ragged checkpoint into boxes
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -70,8 +70,9 @@ def test_zero4_partitions_load_exactly_each_byte_read_once(results, src):
         assert r["job_unique_bytes"] == cases.model_bytes()
 
 
-def test_dp2_zero2_replicas_read_once_and_broadcast(results):
-    reports = _case(results, "dp2_zero2")
+@pytest.mark.parametrize("case", ["dp2_zero2", "dp2_zero2_unpacked"])
+def test_dp2_zero2_replicas_read_once_and_broadcast(results, case):
+    reports = _case(results, case)
     assert sum(r["bytes_read"] for r in reports) == cases.model_bytes()
     assert all(r["broadcasts"] > 0 and r["bytes_needed"] == _own(rank % 2, 2) for rank, r in enumerate(reports))
     for pair in ((0, 2), (1, 3)):  # the two replicas of one partition share its bytes

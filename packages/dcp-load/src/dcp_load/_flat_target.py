@@ -104,13 +104,13 @@ def check_overlaps(targets: Sequence[Target]) -> list[str]:
     (same device, overlapping byte ranges): a load would write both into the same bytes.
     Targets that are not flat are compared only against flat ones (tied weights, which
     share memory on purpose, are ``_aliases``'s concern)."""
+    if not any(isinstance(t, FlatTarget) for t in targets):
+        return []  # without a flat view there is nothing to check (and nothing to pay)
     spans = []
     for t in targets:
         span = _span(t)
         if span is not None:
             spans.append((span[0], span[1], span[2], t))
-    if not any(isinstance(t, FlatTarget) for *_, t in spans):
-        return []
     spans.sort(key=lambda s: (str(s[0]), s[1], s[2]))
     bad: list[str] = []
     for i, (dev, lo, hi, t) in enumerate(spans):
