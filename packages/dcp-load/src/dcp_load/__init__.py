@@ -5,12 +5,14 @@ from ._load import DEFAULT_BATCH_BYTES, load
 from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
 from ._report import LoadReport
 from ._save import SaveReport, save
+from ._sources import Concat, Slice, Stack
 from ._state import Chunk
 from ._version import __version__
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Chunk",
+    "Concat",
     "GlobalPlan",
     "GreedyPlanner",
     "LoadError",
@@ -18,6 +20,8 @@ __all__ = [
     "Planner",
     "ReadItem",
     "SaveReport",
+    "Slice",
+    "Stack",
     "__version__",
     "build_global_plan",
     "load",

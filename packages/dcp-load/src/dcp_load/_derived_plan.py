@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 def metadata_digest(tensors: Mapping[str, Any]) -> int:
     """A hash of what planning reads from the checkpoint metadata (names, shapes, dtypes,
-    chunks and their files)."""
-    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file))
+    chunks and their files; for a chunk composed by ``sources=``, the saved chunk it reads)."""
+    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file),
+                                                         *getattr(c, "origin", ()))
                                                         for c in t.chunks)) for n, t in sorted(tensors.items())])
 
 
