@@ -274,16 +274,19 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
             prep.reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=platform.rank())
             prep.owned = True
         cast: list[str] = []
+        skipped: list[str] = []
         if source_map is not None:  # composed destinations become virtual tensors of the reader
             from ._sourced_reader import apply_sources
 
-            errs, prep.reader, targets, prep.composed, cast = apply_sources(prep.reader, targets, source_map,
-                                                                            allow_dtype_cast)
-            errors.extend(errs)
+            applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict)
+            errors.extend(applied.errors)
+            prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
+            cast, skipped = applied.cast, applied.missing
         metadata = prep.reader.metadata
         errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
         errors.extend(errs)
         errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
+        prep.missing += skipped
         errors.extend(errs)
         errs, prep.cast = check_dtypes(targets, metadata, allow_dtype_cast)
         prep.cast += [n for n in cast if n not in prep.cast]

@@ -25,7 +25,7 @@ from ._keys import missing_advice
 from ._sources import SourceError, SourceMap, compose, describe, leaves
 from ._targets import Target
 
-__all__ = ["SourcedMetadata", "SourcedReader", "VirtualChunk", "apply_sources"]
+__all__ = ["Applied", "SourcedMetadata", "SourcedReader", "VirtualChunk", "apply_sources", "virtual_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +132,17 @@ class SourcedReader:
                 out.copy_(data)
             return None
         if chunk.added:
-            out = out.squeeze(chunk.added)  # removing size-1 dims is always a view: writes land in ``out``
+            out = _without(out, chunk.added, real_sizes)
         return self.inner.read_into(chunk.source, chunk.real, real_offsets, real_sizes, out, verify=verify)
+
+
+def _without(out: Any, added: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+    """``out`` without its size-1 dims ``added``, as a view (writes land in ``out``). A
+    contiguous one is reshaped, which gives it the strides of its new shape: squeezing
+    keeps a removed dim's stride on the one left (a (1, 1) box of a (2, 2) tensor squeezed
+    at dim 1 is a (1,) view with stride 2), which readers cannot view as raw bytes."""
+    contiguous = out.is_contiguous() if hasattr(out, "is_contiguous") else out.flags.c_contiguous
+    return out.reshape(sizes) if contiguous else out.squeeze(added)
 
 
 def _is_numpy(value: Any) -> bool:
@@ -188,16 +197,32 @@ def _dtype_errors(where: str, source: Any, target: Target, saved: Mapping[str, A
     return errors, cast
 
 
-def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool
-                  ) -> tuple[list[str], SourcedReader, list[Target], list[tuple[str, int]], list[str]]:
-    """(errors, the wrapped reader, targets to load, (composed destination, number of
-    saved tensors it reads) pairs, destinations cast because a part's dtype differs)."""
+@dataclass
+class Applied:
+    """What ``apply_sources`` found on this rank: ``errors``; the wrapped ``reader``; the
+    ``targets`` to load; ``composed``: (destination, number of saved tensors it reads);
+    ``cast``: destinations cast because a part's dtype differs from the composed tensor's;
+    ``missing``: destinations skipped (``strict=False``) because a source is missing."""
+
+    errors: list[str]
+    reader: SourcedReader
+    targets: list[Target]
+    composed: list[tuple[str, int]]
+    cast: list[str]
+    missing: list[str]
+
+
+def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool,
+                  strict: bool = True) -> Applied:
+    """Wrap ``reader`` in the virtual tensors of ``source_map`` and check every target that
+    an entry matches against them (module docstring)."""
     saved = reader.metadata.tensors
     virtual = virtual_tensors(source_map, saved)
     errors: list[str] = []
     keep: list[Target] = []
     composed: list[tuple[str, int]] = []
     cast: list[str] = []
+    missing: list[str] = []
     for t in targets:
         try:
             found = source_map.match(t.name)
@@ -211,7 +236,10 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
         where = f"destination {t.name!r} (sources[{key!r}])"
         meta = virtual.get(t.name)
         if meta is None:
-            errors.append(_compose_error(where, source, saved))
+            if not strict and any(n not in saved for n in leaves(source)):
+                missing.append(t.name)  # listed in the report like any key the checkpoint lacks
+            else:
+                errors.append(_compose_error(where, source, saved))
             continue
         if tuple(meta.shape) != tuple(t.global_shape):
             errors.append(_shape_error(where, source, tuple(meta.shape), tuple(t.global_shape)))
@@ -226,7 +254,11 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
         composed.append((t.name, len(set(leaves(source)))))
     logger.debug("sources: %d virtual tensor(s) from the checkpoint, %d destination(s) of this rank composed",
                  len(virtual), len(composed))
-    return errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast
+    if missing:
+        logger.warning("strict=False: %d destination(s) whose sources the checkpoint lacks keep their current "
+                       "values: %s", len(missing), ", ".join(repr(n) for n in missing[:5]))
+    return Applied(errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast,
+                   missing)
 
 
 def _compose_error(where: str, source: Any, saved: Mapping[str, Any]) -> str:
