@@ -220,7 +220,7 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
         groups = sorted(digests.values(), key=lambda g: (-len(g), g))
         raise LoadError({r: [f"read checkpoint metadata that differs from rank {groups[0][0]}'s (as do "
                              f"{format_ranks(g)}); every rank must load the same checkpoint: "
-                             "a copy that differs, or a checkpoint re-saved during the load"]
+                             "a copy that differs, a checkpoint re-saved during the load, or different sources="]
                          for g in groups[1:] for r in g}, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
 
