@@ -202,4 +202,38 @@ def sources_cases(rank: int, world: int, llama_copies: list[str], phi_copies: li
                      "job_read": report.job_bytes_read, "pieces": report.pieces_read,
                      "composed": dict(report.composed),
                      "needed": sum(t.numel() * 4 for t in expected.values())}
+    out["errors"] = _failing_cases(rank, mesh, llama_copies[node])
+    return out
+
+
+def _failing_cases(rank: int, mesh: Any, path: str) -> dict[str, Any]:
+    """Every rank raises LoadError, destinations untouched: rank 3 passes other sources=
+    (a grouped QKV without groups), or only rank 0 holds a destination whose source is
+    missing."""
+    import dcp_load
+    from dcp_load import Concat
+
+    out = {}
+    expected = expected_llama()
+    other = llama_sources()
+    if rank == 3:
+        key = "layers.{i}.attention.wqkv.weight"
+        other[key] = Concat(list(other[key].parts), dim=0)
+    broken = dict(llama_sources())
+    extra = {}
+    if rank == 0:
+        broken["extra.{i}"] = "model.layers.{i}.self_attn.q_proj.weigth"
+        extra = {"extra.0": torch.full((H * HD, D), -7.0)}
+    for case, sources, more in (("other_sources", other, {}), ("missing_on_rank0", broken, extra)):
+        state = dtensors(mesh, expected)
+        for v in state.values():
+            v.to_local().fill_(-7.0)
+        state.update(more)
+        try:
+            dcp_load.load(state, checkpoint_id=path, sources=sources, broadcast_replicated_tensors=True)
+            out[case] = "no error"
+        except dcp_load.LoadError as exc:
+            untouched = all(bool((v.to_local() if hasattr(v, "to_local") else v).eq(-7.0).all())
+                            for v in state.values())
+            out[case] = (str(exc), untouched)
     return out

@@ -4,7 +4,9 @@ gate/up, experts stacked and sharded over both mesh dims, and renames, as DTenso
 derived from the mesh) and as Chunk targets (gathered wants); a Phi-3-like fused checkpoint
 split back into q, k, v, gate and up. Every value is exact, and with
 ``broadcast_replicated_tensors=True`` the ranks together fetch each stored byte once
-(``/proc/self/io`` with the page cache dropped, as in test_integ_read_once)."""
+(``/proc/self/io`` with the page cache dropped, as in test_integ_read_once). Ranks that
+pass different ``sources=``, and a bad mapping on one rank, fail on every rank before any
+write."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def test_hf_into_fused_layouts_and_back_read_once(tmp_path):
     llama = _copies(tmp_path, "llama", cases.llama())
     phi = _copies(tmp_path, "phi3", cases.phi3())
     per_rank = run_ranks(cases.sources_cases, 4, llama, phi, timeout=300, pg_timeout=240)
-    for case in per_rank[0]:
+    for case in [c for c in per_rank[0] if c != "errors"]:
         unique, detail = once.assert_fetched_once(per_rank, case, True)
         assert unique == per_rank[0][case]["needed"], (case, detail)
         assert per_rank[0][case]["job_read"] == unique, (case, detail)  # the reader's count: 1.00 x
@@ -47,3 +49,9 @@ def test_hf_into_fused_layouts_and_back_read_once(tmp_path):
             ("attention.wqkv.weight", 3), ("attention.wo.weight", 1), ("feed_forward.w13.weight", 2),
             ("moe.experts.w1", cases.E))}}
     assert set(per_rank[3]["phi3_dtensor"]["composed"].values()) == {1}
+    for r in per_rank:
+        message, untouched = r["errors"]["other_sources"]
+        assert untouched and ("with the same sources=" in message or "or different sources=" in message), message
+        message, untouched = r["errors"]["missing_on_rank0"]
+        assert untouched and "rank 0: destination 'extra.0' (sources['extra.{i}']): source(s) " \
+            "'model.layers.0.self_attn.q_proj.weigth'" in message and "nearest checkpoint keys" in message, message
