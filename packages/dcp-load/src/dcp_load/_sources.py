@@ -4,10 +4,10 @@ A source is a saved tensor's name (a rename), or a composition of saved tensors:
 ``Concat`` (with ``groups``: Megatron's query-group-interleaved QKV, gate/up fused per
 tensor-parallel rank), ``Stack`` (experts) or ``Slice``. A composed source is turned into
 one *virtual* saved tensor: every saved chunk of every part, cut where the composition cuts
-it, is placed at its offsets in the destination's global index space (``compose``). Each
-virtual chunk (``VirtualChunk``) remembers the saved chunk it came from and how its
-coordinates map back, so a read of any box of it is a narrowed read of the real saved
-bytes (``_sourced_reader``). The planner, read-once, broadcasts, narrowing and casts then
+it, is placed at its offsets in the destination's global index space (``compose``, which
+gives ``Piece``s). Each piece, a virtual chunk (``_sourced_reader.VirtualChunk``),
+remembers the saved chunk it came from and how its coordinates map back, so a read of any
+box of it is a narrowed read of the real saved bytes. The planner, read-once, broadcasts, narrowing and casts then
 see an ordinary tensor with more chunks, and nothing is staged whole.
 
 Keys of ``sources`` may hold ``{name}`` placeholders, each matching one dot-free segment
@@ -236,7 +236,6 @@ class Piece:
     real: Any
     axes: tuple[int, ...]
     shift: tuple[int, ...]
-
 
 
 def _leaf(name: str, saved: Mapping[str, Any]) -> tuple[tuple[int, ...], list[str], list[Piece]]:
