@@ -314,3 +314,12 @@ def test_stack_along_the_last_dim_reads_into_one_element_views(tmp_path):
     dcp_load.load({"w": w}, checkpoint_id=tmp_path, no_dist=True,
                   sources={"w": Concat(["t0", Stack(["t1", "t2"], dim=1)])})
     assert w.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_a_sources_key_matching_a_non_tensor_value_is_refused(hf):
+    path, _ = hf
+    state = {"w": torch.full((10, D), -7.0), "step": 3}
+    with pytest.raises(LoadError, match=r"sources= matches 'step', a non-tensor value of the state dict"):
+        dcp_load.load(state, checkpoint_id=path, no_dist=True, sources={"w": "model.embed_tokens.weight",
+                                                                       "step": "model.embed_tokens.weight"})
+    assert bool((state["w"] == -7.0).all()) and state["step"] == 3

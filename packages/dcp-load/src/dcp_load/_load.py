@@ -278,7 +278,8 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
         if source_map is not None:  # composed destinations become virtual tensors of the reader
             from ._sourced_reader import apply_sources
 
-            applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict)
+            applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict,
+                                    values=[leaf.name for leaf in prep.values])
             errors.extend(applied.errors)
             prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
             cast, skipped = applied.cast, applied.missing

@@ -213,12 +213,22 @@ class Applied:
 
 
 def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool,
-                  strict: bool = True) -> Applied:
+                  strict: bool = True, values: Sequence[str] = ()) -> Applied:
     """Wrap ``reader`` in the virtual tensors of ``source_map`` and check every target that
-    an entry matches against them (module docstring)."""
+    an entry matches against them (module docstring). ``values``: the state dict's
+    non-tensor keys, which ``sources`` does not map (one that an entry matches is refused
+    rather than loaded from its own name behind the caller's back)."""
     saved = reader.metadata.tensors
     virtual = virtual_tensors(source_map, saved)
     errors: list[str] = []
+    for name in values:
+        try:
+            found = source_map.match(name) is not None
+        except ValueError:  # two entries match it: refused below all the same
+            found = True
+        if found:
+            errors.append(f"sources= matches {name!r}, a non-tensor value of the state dict; sources= maps "
+                          "tensors only: make the key not match it (values load from their own names)")
     keep: list[Target] = []
     composed: list[tuple[str, int]] = []
     cast: list[str] = []
