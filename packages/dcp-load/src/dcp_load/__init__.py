@@ -6,12 +6,14 @@ from ._load import DEFAULT_BATCH_BYTES, load
 from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
 from ._report import LoadReport
 from ._save import SaveReport, save
+from ._sources import Concat, Slice, Stack
 from ._state import Chunk
 from ._version import __version__
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Chunk",
+    "Concat",
     "Flat",
     "GlobalPlan",
     "GreedyPlanner",
@@ -20,6 +22,8 @@ __all__ = [
     "Planner",
     "ReadItem",
     "SaveReport",
+    "Slice",
+    "Stack",
     "__version__",
     "build_global_plan",
     "flat_views",

@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 def metadata_digest(tensors: Mapping[str, Any]) -> int:
     """A hash of what planning reads from the checkpoint metadata (names, shapes, dtypes,
-    chunks and their files)."""
-    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file))
+    chunks and their files; for a chunk composed by ``sources=``, the saved chunk it reads)."""
+    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file),
+                                                         *getattr(c, "origin", ()))
                                                         for c in t.chunks)) for n, t in sorted(tensors.items())])
 
 
@@ -75,7 +76,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     local_world = local_world_size() if broadcast else 0
     host = host_id() if broadcast else ""
     equal = [(meta_hash, "the checkpoint metadata differs from "
-              "other ranks' (open the same checkpoint on every rank)"),
+              "other ranks' (open the same checkpoint, with the same sources=, on every rank)"),
              (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
               f"broadcast_batch_bytes={settings[1]}, planner={'custom' if custom_planner else 'default'}: "
               "every rank must pass the same broadcast settings"),

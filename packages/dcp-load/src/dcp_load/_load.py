@@ -21,6 +21,7 @@ from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._progress import Progress
 from ._report import LoadReport
+from ._sources import SourceMap
 from ._state import Chunk, Flat, flatten_state_dict, is_tensor
 from ._targets import Target, in_mesh, target_for
 from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
@@ -122,6 +123,7 @@ def load(
     tied_weights: Mapping[str, str] | None = None,
     allow_dtype_cast: bool = True,
     timeout: Any = DEFAULT_TIMEOUT,
+    sources: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
 
@@ -150,11 +152,19 @@ def load(
     entered ``load`` wait for the others; on expiry they raise ``LoadError`` naming the
     ranks that did not arrive (see README, "Failure model").
 
+    ``sources``: where destinations' values come from, ``{destination key: source}``; a
+    source is a saved tensor's name (a rename), ``Concat``, ``Stack`` or ``Slice`` of saved
+    tensors; keys may hold ``{name}`` placeholders (one dot-free segment each, substituted
+    into the source's names); destinations no key matches load from their own names (see
+    README, "Loading into another layout"). Composed sources are read piece by piece like
+    any saved tensor, each stored byte once; the report's ``composed`` lists them.
+
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
     """
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
+    source_map = SourceMap(sources) if sources is not None else None
     wait_s = timeout_seconds(timeout)
     errors: list[str] = []
     try:
@@ -183,7 +193,7 @@ def load(
                      broadcast_replicated_tensors=broadcast_replicated_tensors,
                      broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes,
                      strict=strict, allow_pickle=allow_pickle, tied_weights=tied_weights,
-                     allow_dtype_cast=allow_dtype_cast)
+                     allow_dtype_cast=allow_dtype_cast, source_map=source_map)
 
 
 def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
@@ -211,7 +221,7 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
         groups = sorted(digests.values(), key=lambda g: (-len(g), g))
         raise LoadError({r: [f"read checkpoint metadata that differs from rank {groups[0][0]}'s (as do "
                              f"{format_ranks(g)}); every rank must load the same checkpoint: "
-                             "a copy that differs, or a checkpoint re-saved during the load"]
+                             "a copy that differs, a checkpoint re-saved during the load, or different sources="]
                          for g in groups[1:] for r in g}, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
 
@@ -243,11 +253,12 @@ class _Prepared:
     cast: list[str] = field(default_factory=list)
     wants: list[Want] = field(default_factory=list)
     by_value: dict[str, Any] = field(default_factory=dict)
+    composed: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: Any, broadcast: bool, *,
              checkpoint_id: Any, allow_pickle: bool, tied_weights: Mapping[str, str] | None, strict: bool,
-             allow_dtype_cast: bool) -> None:
+             allow_dtype_cast: bool, source_map: SourceMap | None = None) -> None:
     """Targets, the reader, and every check that needs no other rank; a problem is added
     to ``errors`` (never raised: it must reach the exchange so that other ranks raise too)."""
     if errors:
@@ -264,12 +275,24 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
 
             prep.reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=platform.rank())
             prep.owned = True
+        cast: list[str] = []
+        skipped: list[str] = []
+        if source_map is not None:  # composed destinations become virtual tensors of the reader
+            from ._sourced_reader import apply_sources
+
+            applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict,
+                                    values=[leaf.name for leaf in prep.values])
+            errors.extend(applied.errors)
+            prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
+            cast, skipped = applied.cast, applied.missing
         metadata = prep.reader.metadata
         errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
         errors.extend(errs)
         errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
+        prep.missing += skipped
         errors.extend(errs)
         errs, prep.cast = check_dtypes(targets, metadata, allow_dtype_cast)
+        prep.cast += [n for n in cast if n not in prep.cast]
         errors.extend(errs)
         prep.targets = targets
         caps = platform.capabilities
@@ -328,7 +351,8 @@ def _run(coord: Coordinator, platform: Any, plan: Any, me: int, prep: _Prepared,
 def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], errors: list[str], *,
           checkpoint_id: Any, storage_reader: Any, planner: Any, broadcast_replicated_tensors: Any,
           broadcast_groups: Any, broadcast_batch_bytes: int, strict: bool, allow_pickle: bool,
-          tied_weights: Mapping[str, str] | None, allow_dtype_cast: bool) -> LoadReport:
+          tied_weights: Mapping[str, str] | None, allow_dtype_cast: bool,
+          source_map: SourceMap | None = None) -> LoadReport:
     """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``):
     prepare, plan, validate, execute, finish."""
     broadcast = collective and bool(broadcast_replicated_tensors)
@@ -336,7 +360,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     prep = _Prepared(reader=storage_reader)
     try:
         _prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
-                 tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast)
+                 tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast, source_map=source_map)
         plan, derived = _make_plan(coord, platform, collective, prep, errors, phases,
                                    mode=broadcast_replicated_tensors, broadcast=broadcast,
                                    batch_bytes=broadcast_batch_bytes, planner=planner)
@@ -374,7 +398,7 @@ def _report(platform: Any, collective: bool, prep: _Prepared, plan: Any, stats: 
         bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=job_read,
         job_unique_bytes=job_unique, seconds=seconds, missing=tuple(prep.missing), cast=tuple(prep.cast),
-        skipped_not_in_mesh=tuple(prep.outside), tied=tuple(prep.tied),
+        skipped_not_in_mesh=tuple(prep.outside), tied=tuple(prep.tied), composed=tuple(prep.composed),
     )
     phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "

@@ -25,6 +25,8 @@ class LoadReport:
     ``skipped_not_in_mesh``: DTensor entries whose device mesh does not include this rank
     (it holds no part of them, so nothing is loaded into them). ``tied``: (key, key) pairs
     of tied weights: the first key shares the second's tensor and was loaded through it.
+    ``composed``: (key, number of saved tensors) of each destination that ``sources=``
+    mapped (renamed or composed), in state dict order.
     """
 
     rank: int
@@ -45,6 +47,7 @@ class LoadReport:
     cast: tuple[str, ...] = ()
     skipped_not_in_mesh: tuple[str, ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
+    composed: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
@@ -56,6 +59,7 @@ class LoadReport:
         object.__setattr__(self, "cast", tuple(self.cast))
         object.__setattr__(self, "skipped_not_in_mesh", tuple(self.skipped_not_in_mesh))
         object.__setattr__(self, "tied", tuple(tuple(p) for p in self.tied))
+        object.__setattr__(self, "composed", tuple(tuple(p) for p in self.composed))
 
     @property
     def read_amplification(self) -> float:
