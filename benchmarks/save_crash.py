@@ -1,6 +1,7 @@
 """Save-crash trials, full count (not a test; the CI subset is
-tests-integration/test_integ_save_crash.py): ``--kills`` saves and overwrites by one
-process and by 2 gloo ranks, each SIGKILLed at a random point, after which the directory
+tests-integration/test_integ_save_crash.py): saves and overwrites by one process and by 2
+gloo ranks, SIGKILLed at random points until ``--kills`` of them were killed before they
+returned, after which the directory
 must hold the old checkpoint or the new one, whole and exact, or none when there was none.
 Prints the outcome counts, every lost checkpoint and the time.
 
@@ -33,7 +34,8 @@ def main() -> int:
                            log=(lambda line: print(line, flush=True)) if args.verbose else None)
     counts = result["counts"]
     print(f"seed {args.seed}, worlds {args.worlds}, {args.kills} trials in {time.perf_counter() - t0:.0f} s")
-    print(f"killed inside a save: {counts.get('killed', 0)}, finished before the kill: {counts.get('finished', 0)}")
+    print(f"killed before save returned: {counts.get('killed', 0)}, finished before the kill: "
+          f"{counts.get('finished', 0)}")
     for key in sorted(k for k in counts if k.startswith("w")):
         print(f"  {key}: {counts[key]}")
     for line in result["failures"]:

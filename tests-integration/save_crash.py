@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
 import signal
@@ -123,9 +124,10 @@ def check(path: str, old: int | None, new: int) -> tuple[str, str]:
 
 def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: random.Random,
               tmp: str) -> tuple[str, float]:
-    """Run save ``gen``; kill it ``kill_after`` s after every rank is ready (None: let it
-    finish). Returns ("killed" when a saver was still running | "finished", seconds from
-    ready to done or to the kill)."""
+    """Run save ``gen``; kill it ``kill_after`` s after the last rank was ready (None: let
+    it finish). Returns ("killed" when some rank had not returned from ``save`` when the
+    kill began | "finished", seconds from ready to done or to the kill). Times come from
+    the savers' own clocks (``time.monotonic`` is system-wide), not from the queue."""
     ctx = _context()
     events = ctx.Queue()
     init_file = os.path.join(tmp, f"store-{gen}")
@@ -133,30 +135,39 @@ def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: ra
              for r in range(world)]
     for p in procs:
         p.start()
+    done: dict[int, float] = {}
     try:
-        ready = 0
+        ready: dict[int, float] = {}
         deadline = time.monotonic() + 60
-        while ready < world:
-            kind, _, _ = events.get(timeout=max(0.1, deadline - time.monotonic()))
-            ready += kind == "ready"
-        t0 = time.monotonic()
+        while len(ready) < world:
+            kind, rank, t = events.get(timeout=max(0.1, deadline - time.monotonic()))
+            (ready if kind == "ready" else done)[rank] = t
+        t0 = max(ready.values())
         if kill_after is None:
-            done = 0
-            while done < world:
-                kind, _, _ = events.get(timeout=max(0.1, deadline - time.monotonic()))
-                done += kind == "done"
-            return "finished", time.monotonic() - t0
-        time.sleep(kill_after)
+            while len(done) < world:
+                kind, rank, t = events.get(timeout=max(0.1, deadline - time.monotonic()))
+                done[rank] = t
+            return "finished", max(done.values()) - t0
+        time.sleep(max(0.0, t0 + kill_after - time.monotonic()))
+        kill_t = time.monotonic()
         order = list(procs)
         rng.shuffle(order)
-        killed = 0
         for i, p in enumerate(order):
             if p.exitcode is None:
                 os.kill(p.pid, signal.SIGKILL)
-                killed += 1
             if i == 0 and rng.random() < 0.5:
                 time.sleep(rng.uniform(0, 0.02))  # the others a moment later
-        return ("killed" if killed else "finished"), time.monotonic() - t0
+        for p in procs:
+            p.join(timeout=30)
+        while True:
+            try:
+                kind, rank, t = events.get(timeout=0.05)
+            except queue.Empty:
+                break
+            if kind == "done":
+                done[rank] = t
+        finished = len(done) == world and max(done.values()) < kill_t
+        return ("finished" if finished else "killed"), kill_t - t0
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -166,26 +177,32 @@ def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: ra
         events.close()
 
 
+def _calibrate(path: str, world: int, rng: random.Random, tmp: str) -> float:
+    """The median time of 3 saves, after one to warm up (gens 0-3)."""
+    times = sorted(_run_save(path, gen, world, None, rng, tmp)[1] for gen in range(4))[:3]
+    return times[1]
+
+
 def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 20261201, fresh_every: int = 5,
                log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """``kills`` killed saves, split over ``worlds``. Every ``fresh_every``-th trial starts
-    from an empty directory (a first save must leave no checkpoint or a whole one). Returns
-    counts by outcome and the failures."""
+    """Trials until ``kills`` saves were killed before they returned (split over
+    ``worlds``; at most 3 x as many trials). The kill comes uniformly within 1.1 x the
+    median save time, so some saves finish first. Every ``fresh_every``-th trial starts
+    from an empty directory (a first save must leave no checkpoint or a whole one); the
+    others overwrite a whole checkpoint. Returns counts by outcome and the failures."""
     rng = random.Random(seed)
     counts: Counter[str] = Counter()
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dcp-save-crash-") as tmp:
         for world in worlds:
             path = os.path.join(tmp, f"ckpt-w{world}")
-            gen = 0
-            _run_save(path, gen, world, None, rng, tmp)  # warm up and calibrate
-            _, took = _run_save(path, gen + 1, world, None, rng, tmp)
-            gen += 1
-            span = max(0.05, 1.3 * took)
+            took = _calibrate(path, world, rng, tmp)
+            gen = 3
             share = kills // len(worlds) + (world == worlds[0]) * (kills % len(worlds))
             current: int | None = gen  # what the directory holds
-            for i in range(share):
-                if i % fresh_every == 0:
+            killed = trial = 0
+            while killed < share and trial < 3 * share:
+                if trial % fresh_every == 0:
                     shutil.rmtree(path, ignore_errors=True)
                     current = None
                 elif current is None:  # the last kill left nothing: overwrite a whole checkpoint again
@@ -193,10 +210,12 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
                     _run_save(path, gen, world, None, rng, tmp)
                     current = gen
                 gen += 1
-                after = rng.uniform(0, span)
+                trial += 1
+                after = rng.uniform(0, 1.1 * took)
                 how, _ = _run_save(path, gen, world, after, rng, tmp)
+                killed += how == "killed"
                 outcome, why = check(path, current, gen)
-                counts[f"w{world}:{'first' if current is None else 'over'}:{outcome}"] += 1
+                counts[f"w{world}:{'first' if current is None else 'over'}:{how}:{outcome}"] += 1
                 counts[how] += 1
                 if outcome == "LOST":
                     failures.append(f"world {world}, save {gen} over {current}, killed {after * 1000:.0f} ms "
@@ -204,6 +223,6 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
                     shutil.rmtree(path, ignore_errors=True)
                 current = {"new": gen, "old": current}.get(outcome)
                 if log:
-                    log(f"world {world} trial {i}: {how} {after * 1000:.0f} ms after start (a save takes "
+                    log(f"world {world} trial {trial}: {how} {after * 1000:.0f} ms after start (a save takes "
                         f"~{took * 1000:.0f} ms): {outcome} {why}")
     return {"counts": dict(counts), "failures": failures}
