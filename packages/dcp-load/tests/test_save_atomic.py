@@ -200,3 +200,16 @@ def test_no_dist_ranks_of_one_launch_cannot_share_a_directory(tmp_path, monkeypa
     _launch(monkeypatch, 1, port="29611")  # another launch
     dcp_load.save(_state(4), checkpoint_id=path, no_dist=True)
     _assert_holds(path, 4)
+
+
+def test_a_filesystem_without_locks_still_saves(saved, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    assert "does not support file locks" in caplog.text
+    _assert_holds(saved, 2)

@@ -11,7 +11,9 @@ save does not count).
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import time
@@ -22,6 +24,10 @@ from ._native import LOCK_FILE
 
 __all__ = ["WriterLock", "WriterLockError"]
 
+logger = logging.getLogger(__name__)
+
+# flock errors that mean "no locking here" (some network and FUSE filesystems), not "held"
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _RECORD_LIMIT = 64 * 1024  # a record is ~200 bytes; more is not ours and is not read
 
 
@@ -76,13 +82,15 @@ class WriterLock:
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_record(fd)
-                raise WriterLockError(
-                    f"{self.path}: another save is writing into this checkpoint directory ({_describe(holder)}; "
-                    f"lock {LOCK_FILE}). Two writers into one directory would replace each other's files: "
-                    "wait for it to finish, or save into another directory", path=self.path,
-                    holder=holder) from None
+            except OSError as e:
+                if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
+                    logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
+                                   "single-writer lock: make sure no other process saves here meanwhile",
+                                   self.path, e)
+                elif e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                else:
+                    self._refuse(fd)
             held = _read_record(fd) or {}
             last = held.get("last_commit")
             self.previous = last if isinstance(last, dict) else None
@@ -93,6 +101,13 @@ class WriterLock:
             os.close(fd)  # closing drops the lock if it was taken
             raise
         return self
+
+    def _refuse(self, fd: int) -> None:
+        holder = _read_record(fd)
+        raise WriterLockError(
+            f"{self.path}: another save is writing into this checkpoint directory ({_describe(holder)}; "
+            f"lock {LOCK_FILE}). Two writers into one directory would replace each other's files: "
+            "wait for it to finish, or save into another directory", path=self.path, holder=holder)
 
     def _write(self, extra: Mapping[str, Any]) -> None:
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started, **self.note, **extra}
