@@ -213,3 +213,31 @@ def test_a_filesystem_without_locks_still_saves(saved, monkeypatch, caplog):
     dcp_load.save(_state(2), checkpoint_id=saved)
     assert "does not support file locks" in caplog.text
     _assert_holds(saved, 2)
+
+
+def test_two_ranks_of_a_launch_saving_with_no_dist_into_one_directory(tmp_path):
+    # what torchrun does without init_process_group, after following the advice: both ranks
+    # start together; whether their saves overlap (the lock) or not (the launch record),
+    # exactly one is refused and the directory holds the other's tensors, whole
+    path = tmp_path / "shared"
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import dcp_load
+        from test_save_atomic import _state
+        gen = int(os.environ["RANK"]) + 1
+        try:
+            dcp_load.save(_state(gen), checkpoint_id={str(path)!r}, no_dist=True)
+            print("SAVED", gen)
+        except dcp_load.LoadError as e:
+            print("REFUSED", e)
+    """)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+           "TORCHELASTIC_RUN_ID": "both"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    lines = [next((x for x in o.splitlines() if x.startswith(("SAVED", "REFUSED"))), e) for o, e in outs]
+    saved = [int(line.split()[1]) for line in lines if line.startswith("SAVED")]
+    assert len(saved) == 1 and sum(line.startswith("REFUSED") for line in lines) == 1, lines
+    _assert_holds(path, saved[0])
