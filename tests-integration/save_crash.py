@@ -9,7 +9,8 @@ within about 1.3 x a measured save and kills every saver (all at once, or one an
 the others a few milliseconds later). Then it reads the directory in this process: which
 save the metadata says (the value ``gen``), a load of every tensor and value of that save
 into poisoned destinations compared bit for bit, and ``verify_checkpoint`` (stray files
-from the killed save are allowed: the next save removes them). Every generation writes a
+from the killed save are allowed until a save finishes: the last one of each run must leave
+none). Every generation writes a
 different set of tensors (their number and sizes vary), so an earlier, larger save leaves
 files that a later one must not name.
 
@@ -190,6 +191,8 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
     median save time, so some saves finish first. Every ``fresh_every``-th trial starts
     from an empty directory (a first save must leave no checkpoint or a whole one); the
     others overwrite a whole checkpoint. Returns counts by outcome and the failures."""
+    from dcp_reader import verify_checkpoint
+
     rng = random.Random(seed)
     counts: Counter[str] = Counter()
     failures: list[str] = []
@@ -225,4 +228,13 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
                 if log:
                     log(f"world {world} trial {trial}: {how} {after * 1000:.0f} ms after start (a save takes "
                         f"~{took * 1000:.0f} ms): {outcome} {why}")
+            # a save that finishes removes whatever the killed ones left (temporary files of
+            # killed writes, data files of saves never committed, earlier larger saves' files)
+            gen += 1
+            _run_save(path, gen, world, None, rng, tmp)
+            outcome, why = check(path, current, gen)
+            left = verify_checkpoint(path).problems
+            counts[f"w{world}:final:{outcome}"] += 1
+            if outcome != "new" or left:
+                failures.append(f"world {world}, the last save {gen}: {outcome} {why}; left: {left[:3]}")
     return {"counts": dict(counts), "failures": failures}
