@@ -53,11 +53,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
     t0 = time.perf_counter()
     problems: list[str] = []
     chunks = with_sums = verified = 0
-    r, missing = _open(path, format)
+    r, missing, fmt = _open(path, format)
     if r is None:  # a format whose files cannot be checked one by one: list what is missing
-        return VerifyReport(path=os.path.realpath(os.fspath(path)), format=missing[0], tensors=0, chunks=0,
+        return VerifyReport(path=os.path.realpath(os.fspath(path)), format=fmt, tensors=0, chunks=0,
                             chunks_with_checksums=0, bytes_verified=0, seconds=time.perf_counter() - t0,
-                            problems=tuple(missing[1:]))
+                            problems=tuple(f"missing file {n!r}: named by the metadata, not in the directory "
+                                           "(copy it or re-save)" for n in missing))
     with r:
         meta = r.metadata
         problems.extend(_missing_lines(meta, missing))
@@ -84,21 +85,21 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
                             values=len(meta.values), values_with_checksums=value_sums)
 
 
-def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointReader | None, list[str]]:
-    """(reader, names of the missing data files). A native checkpoint with missing files is
-    opened without them so that the rest is still checked; for another format the reader is
-    None and the list is [format, one problem line per missing file]."""
+def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointReader | None, list[str], str]:
+    """(reader, names of the missing data files, format). A native checkpoint with missing
+    files is opened without them, so that the rest is still checked; for another format
+    the reader is None."""
     try:
-        return open_checkpoint(path, format=format), []
+        r = open_checkpoint(path, format=format)
+        return r, [], r.format
     except MissingFileError as e:
         if not e.offenders:
             raise
         root = os.path.realpath(os.fspath(path))
         fmt = format or detect_format(root)
         if fmt != "native":
-            return None, [fmt, *(f"missing file {n!r}: named by the metadata, not in the directory (copy it "
-                                 "or re-save)" for n in e.offenders)]
-        return CheckpointReader(root, load_native(root)), list(e.offenders)
+            return None, list(e.offenders), fmt
+        return CheckpointReader(root, load_native(root)), list(e.offenders), fmt
 
 
 def _missing_lines(meta: CheckpointMetadata, missing: list[str]) -> list[str]:

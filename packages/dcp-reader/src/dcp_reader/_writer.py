@@ -133,11 +133,11 @@ class EncodedValues:
 def _json_checksum(value: Any) -> str:
     """The value's checksum, after checking that its JSON text decodes back to itself at the
     depth the metadata holds it (three objects down: document, values, entry)."""
-    text = canonical_json(value).decode()
-    back = decode_value(json.loads('{"v":{"n":{"value":' + text + "}}}")["v"]["n"]["value"])
-    if canonical_json(back).decode() != text:
+    raw = canonical_json(value)
+    back = decode_value(json.loads(b'{"v":{"n":{"value":' + raw + b"}}}")["v"]["n"]["value"])
+    if canonical_json(back) != raw:
         raise ValueError("its JSON text does not decode back to the same value")
-    return value_checksum(value)
+    return bytes_checksum(raw)  # the checksum of the canonical text: value_checksum(value)
 
 
 def _pickle_values(pickled: Mapping[str, Any]) -> bytes:
