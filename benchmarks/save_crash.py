@@ -33,7 +33,9 @@ def main() -> int:
     result = sc.run_trials(args.kills, worlds=tuple(args.worlds), seed=args.seed,
                            log=(lambda line: print(line, flush=True)) if args.verbose else None)
     counts = result["counts"]
-    print(f"seed {args.seed}, worlds {args.worlds}, {args.kills} trials in {time.perf_counter() - t0:.0f} s")
+    trials = counts.get("killed", 0) + counts.get("finished", 0)
+    print(f"seed {args.seed}, worlds {args.worlds}: {trials} trials for {args.kills} kills in "
+          f"{time.perf_counter() - t0:.0f} s")
     print(f"killed before save returned: {counts.get('killed', 0)}, finished before the kill: "
           f"{counts.get('finished', 0)}")
     for key in sorted(k for k in counts if k.startswith("w")):
