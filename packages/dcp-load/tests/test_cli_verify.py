@@ -82,3 +82,17 @@ def test_a_changed_value_is_reported_by_verify_and_refused_by_load(tmp_path, cap
     with pytest.raises(LoadError, match="ChecksumError.*value 'step'"):
         load(state, checkpoint_id=str(tmp_path), no_dist=True)
     assert state["a"].isnan().all() and (state["b"] == -123).all() and state["step"] == 0
+
+
+def test_a_missing_shard_of_an_index_is_a_problem(tmp_path, capsys):
+    import json
+
+    save_file({"a": torch.ones(3)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.ones(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                        "b": "model-00002-of-00002.safetensors"}}))
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    assert main(["verify", str(tmp_path)]) == 1  # a problem found, not "unreadable"
+    out = capsys.readouterr().out
+    assert "PROBLEM missing file 'model-00002-of-00002.safetensors'" in out and "1 problem(s)" in out

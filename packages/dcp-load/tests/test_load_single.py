@@ -117,14 +117,14 @@ def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(native, bad)
-    data = bad / "rank-00000.safetensors"
+    (data,) = bad.glob("rank-00000.*.safetensors")
     os.truncate(data, os.path.getsize(data) - 8)
     state = _poisoned()
-    with pytest.raises(LoadError, match="rank-00000.safetensors"):
+    with pytest.raises(LoadError, match=data.name):
         dcp_load.load(state, checkpoint_id=bad)
     assert torch.isnan(state["model"]["w"]).all()
     os.remove(data)
-    with pytest.raises(LoadError, match="rank-00000.safetensors"):
+    with pytest.raises(LoadError, match=data.name):
         dcp_load.load(_poisoned(), checkpoint_id=bad)
     with pytest.raises(LoadError, match="dcp-metadata.json|not a checkpoint|no checkpoint|does not exist"):
         dcp_load.load(_poisoned(), checkpoint_id=tmp_path / "nothing-here")
@@ -205,23 +205,6 @@ def test_a_real_optimizer_round_trips_without_pickle(tmp_path):
     _assert_same(target, {"model": model.state_dict(), "optim": opt.state_dict()})
 
 
-def test_save_over_a_checkpoint_removes_its_metadata_first(native, tmp_path, monkeypatch):
-    import shutil
-
-    from dcp_reader import NativeWriter
-
-    path = tmp_path / "again"
-    shutil.copytree(native, path)
-
-    def crash(self, *a, **k):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(NativeWriter, "write_file", crash)
-    with pytest.raises(LoadError, match="disk full"):
-        dcp_load.save(_state(), checkpoint_id=path)
-    assert not (path / "dcp-metadata.json").exists()  # never mistaken for a complete checkpoint
-
-
 def test_cli_inspect(native, capsys):
     assert cli(["inspect", native, "--chunks"]) == 0
     out = capsys.readouterr().out
@@ -244,7 +227,7 @@ def test_cli_inspect_shows_pickled_values_only_with_allow_pickle(tmp_path, capsy
                   checkpoint_id=path, allow_pickle=True)
     assert cli(["inspect", path]) == 0
     out = capsys.readouterr().out
-    assert "(pickled in values.pkl; --allow-pickle shows it" in out and "2026" not in out
+    assert "(pickled in values." in out and ".pkl; --allow-pickle shows it" in out and "2026" not in out
     assert "n     value 3" in out
     assert cli(["inspect", path, "--allow-pickle"]) == 0
     out = capsys.readouterr().out

@@ -1,20 +1,27 @@
 """``save``: write a state dict in the native format, each replicated box once.
 
-Call order (every rank): rank 0 removes any committed metadata at the path; all ranks
-all-gather what they hold (names, boxes, dtypes, global shapes: small tuples); every rank
-derives the same layout (one writer per distinct box, balanced by bytes with the load
-planner's greedy rule) and checks it tiles every tensor; each writer writes one data file;
-after an exchange that shows every rank finished, rank 0 writes the metadata last and
-atomically, and a final exchange returns its outcome to everyone. A save interrupted at
-any point leaves no metadata, which readers report as an unfinished save. Every wait is
-bounded by a ``Coordinator`` (``dcp-save/<n>``): arrival within ``timeout``, and each
-exchange aborted once a rank published a failure or stopped beating.
+Call order (every rank): rank 0 takes the directory's single-writer lock and serialises
+the non-tensor values (a second writer, or a value that cannot be stored, is refused
+here); all ranks all-gather what they hold (names, boxes, dtypes, global shapes: small
+tuples) and rank 0's new save id; every rank derives the same layout (one writer per
+distinct box, balanced by bytes with the load planner's greedy rule) and checks it tiles
+every tensor. Nothing is written before all of this passed on every rank.
+
+Each writer then writes one data file named with the save id, beside whatever the directory
+holds; after an exchange that shows every rank finished, rank 0 replaces the metadata in
+one rename (the commit), removes the files the new metadata does not name (an earlier
+save's, a killed save's temporary files), and releases the lock; a final exchange returns
+its outcome to everyone. A save that fails or is killed before the commit leaves the
+previous checkpoint whole and loadable (its metadata names only its own files); after it,
+the new one. Every wait is bounded by a ``Coordinator`` (``dcp-save/<n>``): arrival within
+``timeout``, and each exchange aborted once a rank published a failure or stopped beating.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,19 +59,15 @@ class SaveReport:
             raise ValueError("SaveReport counts must be >= 0")
 
 
-def _file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
+def _layout(gathered: list[Any], save_id: str) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
     """(tensor metadata by name, items each rank writes, errors by offending rank) from
     every rank's holdings (the same on every rank)."""
-    from dcp_reader import ChunkMeta, TensorMeta, chunk_key
+    from dcp_reader import ChunkMeta, TensorMeta, chunk_key, data_file_name
 
     errors: dict[int, list[str]] = {}
     info: dict[str, tuple[tuple[int, ...], str]] = {}
     boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    for rank, (holdings, _) in enumerate(gathered):
+    for rank, (holdings, *_) in enumerate(gathered):
         for name, offsets, sizes, dtype, shape in holdings:
             seen = info.setdefault(name, (shape, dtype))
             if seen != (shape, dtype):
@@ -82,7 +85,7 @@ def _layout(gathered: list[Any]) -> tuple[dict[str, Any], dict[int, list[ReadIte
     for item, w in zip(items, writers, strict=True):
         per_rank.setdefault(w, []).append(item)
         chunks.setdefault(item.name, []).append(
-            ChunkMeta(item.offsets, item.sizes, _file_name(w), chunk_key(item.name, item.offsets)))
+            ChunkMeta(item.offsets, item.sizes, data_file_name(w, save_id), chunk_key(item.name, item.offsets)))
     tensors = {}
     for name, cs in chunks.items():
         shape, dtype = info[name]
@@ -130,17 +133,15 @@ def save(
     collective = not no_dist and platform.is_distributed()
     with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
         coord.arrive()
-        return _save(coord, platform, collective, leaves, path, allow_pickle, start)
+        return _save(coord, platform, collective, leaves, path, allow_pickle, start, no_dist)
 
 
-def _hold(leaves: list[Any], writer: Any, me: int, errors: list[str]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+def _hold(leaves: list[Any], errors: list[str]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
     """(this rank's holdings, targets by name, non-tensor values); errors are recorded."""
     holdings: list[tuple[Any, ...]] = []
     targets: dict[str, Any] = {}
     values: dict[str, Any] = {}
     try:
-        if me == 0:
-            writer.invalidate()  # before any rank writes: old metadata must not describe new files
         for leaf in leaves:
             if is_tensor(leaf.value):
                 if not in_mesh(leaf.value):
@@ -157,7 +158,7 @@ def _hold(leaves: list[Any], writer: Any, me: int, errors: list[str]) -> tuple[l
 
 
 def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
-          allow_pickle: bool, start: float) -> SaveReport:
+          allow_pickle: bool, start: float, no_dist: bool) -> SaveReport:
     """``save`` once every rank arrived; every exchange is bounded by ``coord``."""
     from dcp_reader import CheckpointMetadata, NativeWriter
 
@@ -165,52 +166,137 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     world = platform.world_size() if collective else 1
     me = rank if collective else 0
     errors: list[str] = []
-    writer = None
+    writer = lock = encoded = save_id = None
     try:
         writer = NativeWriter(path, allow_pickle=allow_pickle)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
-    holdings, targets, values = _hold(leaves, writer, me, errors) if writer is not None else ([], {}, {})
-    gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=(holdings, sorted(values)))
-    gathered = [(h, v) for h, v in gathered]
-
-    tensors, per_rank, failures = _layout(gathered)
-    missing_values = sorted(set().union(*(set(v) for _, v in gathered)) - set(gathered[0][1]))
-    if missing_values:
-        failures.setdefault(0, []).append(
-            f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
-            "rank 0 writes the values, so it must hold all of them")
+    holdings, targets, values = _hold(leaves, errors)
     try:
-        CheckpointMetadata(tensors=tensors, values={}, format="native")
-    except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
-        failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
-                                          f"{type(exc).__name__}: {exc}")
-    if failures:
-        raise LoadError(failures, "save")
-
-    written = nbytes = 0
-    value_meta: dict[str, Any] = {}
-    try:
-        mine = per_rank.get(me, [])
-        if mine:
-            from dcp_reader import chunk_key
-
-            data = {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in mine}
-            writer.write_file(_file_name(me), data)
-            written, nbytes = len(mine), sum(i.nbytes for i in mine)
-        if me == 0:
-            value_meta = writer.write_values(values)
-    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
-        errors.append(f"{type(exc).__name__}: {exc}")
-    coord.check(errors, "save", collective=collective)
-
-    if me == 0:
+        if me == 0 and writer is not None:
+            lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
+        gathered = coord.exchange(exchange, errors, "save", collective=collective,
+                                  payload=(holdings, sorted(values), save_id))
+        save_id = gathered[0][2]  # rank 0's: every rank names the files alike
+        tensors, per_rank, failures = _layout(gathered, save_id)
+        missing_values = sorted(set().union(*(set(v) for _, v, _ in gathered)) - set(gathered[0][1]))
+        if missing_values:
+            failures.setdefault(0, []).append(
+                f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
+                "rank 0 writes the values, so it must hold all of them")
         try:
-            writer.commit(CheckpointMetadata(tensors=tensors, values=value_meta, format="native"))
-        except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
-            errors.append(f"commit: {type(exc).__name__}: {exc}")
-    coord.check(errors, "save", collective=collective)
+            CheckpointMetadata(tensors=tensors, values={}, format="native")
+        except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
+            failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
+                                              f"{type(exc).__name__}: {exc}")
+        if failures:
+            raise LoadError(failures, "save")
+        written, nbytes, value_meta = _write(writer, me, per_rank.get(me, []), targets, encoded, save_id,
+                                             errors, coord, collective)
+        if me == 0:
+            _commit(writer, lock, CheckpointMetadata(tensors=tensors, values=value_meta, format="native"), errors)
+        coord.check(errors, "save", collective=collective)
+    finally:
+        if lock is not None:
+            lock.release()
     seconds = time.perf_counter() - start
     logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", rank, written, nbytes, path, seconds)
     return SaveReport(rank=rank, world_size=world, path=path, tensors=len(tensors), chunks_written=written,
                       bytes_written=nbytes, job_bytes=sum(t.nbytes for t in tensors.values()), seconds=seconds)
+
+
+def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[str]) -> tuple[Any, Any, str]:
+    """Rank 0, before anything is written: (the directory's write lock, the serialised
+    values, a new save id); every refusal is recorded in ``errors``."""
+    from dcp_reader import WriterLockError
+
+    lock = encoded = None
+    try:
+        encoded = writer.encode_values(values)
+    except (TypeError, ValueError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    note = _launch_note(no_dist)
+    try:
+        lock = writer.lock(note)
+    except (WriterLockError, OSError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    else:
+        errors.extend(_same_launch(lock.previous, note, writer.path))
+    return lock, encoded, _new_save_id(writer.path)
+
+
+def _new_save_id(path: str) -> str:
+    """12 random hex digits that no file in ``path`` carries (a collision is ~2**-48 a save)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        names = []
+    while True:
+        save_id = secrets.token_hex(6)
+        if not any(save_id in n for n in names):
+            return save_id
+
+
+def _launch_note(no_dist: bool) -> dict[str, Any]:
+    """What the write lock records about this writer: under a launcher with ``no_dist``,
+    which launch and which of its ranks (to refuse a sibling rank's save afterwards)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not (no_dist and world.isdigit() and int(world) > 1):
+        return {}
+    launch = [os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")]
+    return {"launch": launch, "launch_rank": os.environ.get("RANK")}
+
+
+def _same_launch(previous: Any, note: dict[str, Any], path: str) -> list[str]:
+    """The refusal when another rank of this launch saved into ``path`` with ``no_dist``:
+    each process saves as rank 0 of 1, so this save would replace that rank's tensors."""
+    if not note or not isinstance(previous, dict) or previous.get("launch") != note["launch"]:
+        return []
+    if previous.get("launch_rank") == note["launch_rank"]:
+        return []  # the same rank saving again: an ordinary overwrite
+    return [f"{path} was saved by rank {previous.get('launch_rank')} of this launch (pid {previous.get('pid')} on "
+            f"{previous.get('host')!r}) with no_dist=True, and this is rank {note['launch_rank']}: with no_dist=True "
+            "every process saves as rank 0 of 1, so this save would replace the other rank's tensors. Give each "
+            f"rank a checkpoint_id of its own (for example f\"{{path}}/rank-{{os.environ['RANK']}}\"), or call "
+            "torch.distributed.init_process_group before save so that the ranks save one checkpoint together"]
+
+
+def _write(writer: Any, me: int, mine: list[ReadItem], targets: dict[str, Any], encoded: Any, save_id: str,
+           errors: list[str], coord: Coordinator, collective: bool) -> tuple[int, int, dict[str, Any]]:
+    """This rank's data file (and rank 0's values), then the check that every rank wrote
+    its own; on a failure anywhere, this rank's new files are removed before raising (the
+    committed checkpoint never names them). Returns (chunks, bytes, value metadata)."""
+    from dcp_reader import chunk_key, data_file_name, values_file_name
+
+    files: list[str] = []
+    written = nbytes = 0
+    value_meta: dict[str, Any] = {}
+    try:
+        try:
+            if mine:
+                data = {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in mine}
+                files.append(data_file_name(me, save_id))
+                writer.write_file(files[-1], data)
+                written, nbytes = len(mine), sum(i.nbytes for i in mine)
+            if me == 0:
+                files.append(values_file_name(save_id))
+                value_meta = writer.write_values(encoded, file_name=files[-1])
+        except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+            errors.append(f"{type(exc).__name__}: {exc}")
+        coord.check(errors, "save", collective=collective)
+    except BaseException:
+        writer.discard(files)
+        raise
+    return written, nbytes, value_meta
+
+
+def _commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
+    """Rank 0: switch the directory to the new files (the metadata, in one rename), then
+    remove what the new metadata does not name."""
+    try:
+        writer.commit(metadata)
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"commit: {type(exc).__name__}: {exc}")
+        return
+    lock.committed()
+    writer.remove_stray(metadata)

@@ -122,11 +122,16 @@ def check_launch(platform: Any, no_dist: bool, caller: str) -> None:
     world = os.environ.get("WORLD_SIZE", "")
     if no_dist or not world.isdigit() or int(world) <= 1 or platform.is_distributed():
         return
+    # no_dist=True makes every process save as rank 0 of 1: safe only into a directory of its own
+    alone = ("pass no_dist=True to load this rank's tensors on their own" if caller == "load" else
+             "pass no_dist=True and a checkpoint_id of this rank's own (for example "
+             "f\"{path}/rank-{os.environ['RANK']}\") to save this rank's tensors on their own: ranks "
+             "saving with no_dist=True into one directory would replace each other's files")
     raise RuntimeError(
         f"{caller}: WORLD_SIZE={world} is set (a launcher such as torchrun started {world} processes) but "
         "no process group is initialised, so this process would run as a world of one: call "
         "torch.distributed.init_process_group(backend=...) (for example backend='gloo' on CPU, 'nccl' on "
-        f"CUDA) before {caller}, or pass no_dist=True to {caller} this rank's tensors on their own"
+        f"CUDA) before {caller}, or {alone}"
     )
 
 

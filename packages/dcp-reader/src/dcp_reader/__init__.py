@@ -17,11 +17,12 @@ from ._errors import (
 )
 from ._hyper import is_rank_local
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._native import METADATA_FILE, chunk_key
+from ._native import METADATA_FILE, chunk_key, data_file_name, stray_files, values_file_name
 from ._reader import CheckpointReader, open_checkpoint
+from ._save_lock import WriterLock, WriterLockError
 from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
-from ._writer import NativeWriter
+from ._writer import EncodedValues, NativeWriter
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -37,7 +38,13 @@ __all__ = [
     "detect_format",
     "is_rank_local",
     "NativeWriter",
+    "EncodedValues",
+    "WriterLock",
+    "WriterLockError",
     "chunk_key",
+    "data_file_name",
+    "values_file_name",
+    "stray_files",
     "CheckpointError",
     "ChecksumError",
     "MissingMetadataError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from ._errors import CheckpointError, MissingFileError, MissingMetadataError
 from ._model import CheckpointMetadata
@@ -16,6 +17,46 @@ MARKER_VALUE = "native"
 # Also in that __metadata__: {chunk key: block checksum string} (see _checksum), moved into
 # the metadata by NativeWriter.commit.
 CHECKSUMS_KEY = "dcp_checksums"
+
+
+# Data files of a save: ``rank-00003.<save id>.safetensors`` and ``values.<save id>.pkl``. A
+# save id (12 hex digits) is new for every save, so an overwrite writes beside the committed
+# checkpoint and only the metadata, replaced last, switches readers from the old files to the
+# new ones. Names without an id are what dcp-reader 0.3 and earlier wrote.
+SAVE_ID_RE = re.compile(r"[0-9a-f]{12}")
+# What the native writer itself names files at the top of a checkpoint directory: data and
+# values files (with or without a save id) and the temporary files of any of them or of the
+# metadata (``<name>.tmp-<pid>``, left behind by a killed save). Only such files are ever
+# removed as leftovers or reported as stray; anything else in the directory is the user's.
+_OWN_FILE_RE = re.compile(r"(?:rank-\d{5}(?:\.[0-9a-f]{12})?\.safetensors|values(?:\.[0-9a-f]{12})?\.pkl"
+                          r"|dcp-metadata\.json)(?:\.tmp-\d+)?")
+# The single-writer lock (see _save_lock): never stray, never removed.
+LOCK_FILE = ".dcp-save.lock"
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    """The data file rank ``rank`` writes in the save ``save_id``."""
+    return f"rank-{int(rank):05d}.{save_id}.safetensors"
+
+
+def values_file_name(save_id: str) -> str:
+    """The file pickled values are written to in the save ``save_id``."""
+    return f"values.{save_id}.pkl"
+
+
+def stray_files(root: str, metadata: CheckpointMetadata) -> list[str]:
+    """Top-level files of ``root`` that the native writer names (data, values and temporary
+    files) but ``metadata`` does not refer to: left by an earlier, larger save, by a killed
+    save, or being written by a save in progress. Sorted; [] when the directory cannot be
+    listed."""
+    named = {c.file for t in metadata.tensors.values() for c in t.chunks}
+    named |= {v.file for v in metadata.values.values() if v.file is not None}
+    try:
+        with os.scandir(root) as it:
+            names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+    return sorted(n for n in names if n not in named and n != METADATA_FILE and _OWN_FILE_RE.fullmatch(n))
 
 
 def chunk_key(name: str, offsets: tuple[int, ...] | list[int]) -> str:

@@ -10,18 +10,19 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
 from ._errors import UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
-from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE
+from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE, stray_files
 from ._paths import check_files, check_name
 from ._safetensors_file import read_header_at
-from ._value_sums import bytes_checksum, value_checksum
-from ._values import is_storable_value
+from ._save_lock import WriterLock
+from ._value_sums import bytes_checksum, canonical_json, value_checksum
+from ._values import decode_value, is_storable_value
 
 logger = logging.getLogger(__name__)
 
@@ -118,14 +119,58 @@ def _atomic_write(final: str, chunks: list[Any]) -> int:
     return n
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedValues:
+    """Non-tensor values serialised by ``NativeWriter.encode_values``: the JSON ones (with
+    their checksums) and the pickle of the others (None when there are none)."""
+
+    inline: dict[str, Any]
+    checksums: dict[str, str]
+    pickled_names: tuple[str, ...]
+    pickled: bytes | None
+
+
+def _json_checksum(value: Any) -> str:
+    """The value's checksum, after checking that its JSON text decodes back to itself at the
+    depth the metadata holds it (three objects down: document, values, entry)."""
+    raw = canonical_json(value)
+    back = decode_value(json.loads(b'{"v":{"n":{"value":' + raw + b"}}}")["v"]["n"]["value"])
+    if canonical_json(back) != raw:
+        raise ValueError("its JSON text does not decode back to the same value")
+    return bytes_checksum(raw)  # the checksum of the canonical text: value_checksum(value)
+
+
+def _pickle_values(pickled: Mapping[str, Any]) -> bytes:
+    try:
+        return pickle.dumps(dict(pickled), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - find and name the offending values below
+        pass
+    bad = []
+    for name, v in pickled.items():
+        try:
+            pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - pickling runs arbitrary __reduce__ code
+            bad.append(f"{name!r}: {type(e).__name__}: {str(e)[:120]}")
+    raise TypeError(f"{len(bad) or len(pickled)} value(s) cannot be pickled: "
+                    f"{summarise(bad) if bad else summarise([repr(n) for n in pickled])}. Convert them")
+
+
 class NativeWriter:
     """Writes a native checkpoint into ``path``.
 
-    Call order: every writing rank calls ``write_file`` for its own file(s) (distinct names,
-    e.g. ``rank-00003.safetensors``); rank 0 may call ``write_values``; after all ranks are
-    done (a barrier in the caller), rank 0 calls ``commit(metadata)``, which writes
-    ``dcp-metadata.json`` last. Saving over a committed checkpoint: call ``invalidate()`` on
-    rank 0 before any rank writes, so a crash never leaves old metadata over new data.
+    Call order: rank 0 takes the directory's single-writer ``lock()`` and serialises the
+    non-tensor values with ``encode_values`` (so that every refusal comes before anything
+    is written); every writing rank calls ``write_file`` for its own file(s) (distinct
+    names); rank 0 may call ``write_values``; after all ranks are done (a barrier in the
+    caller), rank 0 calls ``commit(metadata)``, which writes ``dcp-metadata.json`` last,
+    then ``remove_stray(metadata)``, then releases the lock.
+
+    Saving over a committed checkpoint: write files under names the committed metadata does
+    not use (``data_file_name(rank, save_id)`` with a new save id, as ``dcp_load.save``
+    does). The old checkpoint stays whole until ``commit`` replaces its metadata in one
+    rename, so a crash at any point leaves the old checkpoint or the new one, never a mix.
+    (Rewriting files under the names the committed metadata uses is not safe; for that
+    case only, ``invalidate()`` first removes the old metadata.)
     """
 
     def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
@@ -177,30 +222,81 @@ class NativeWriter:
                      time.perf_counter() - t0)
         return n
 
-    def write_values(self, values: Mapping[str, Any], *, file_name: str = "values.pkl") -> dict[str, ValueMeta]:
-        """ValueMeta for each non-tensor value: JSON values inline; others pickled into
-        ``file_name`` when allow_pickle, else TypeError listing every offender. Each carries
-        a checksum (of its JSON text, or of the bytes of ``file_name``)."""
-        out: dict[str, ValueMeta] = {}
+    def encode_values(self, values: Mapping[str, Any]) -> EncodedValues:
+        """Serialise every non-tensor value now, with the serialisers ``commit`` and
+        ``write_values`` use, so that a value that cannot be stored is refused before
+        anything is written: TypeError or ValueError naming every offending key. JSON values
+        are encoded and decoded back (an int beyond Python's 4,300-digit conversion limit,
+        nesting too deep to read back); others are pickled when ``allow_pickle``, else
+        listed."""
+        inline: dict[str, str] = {}
         pickled: dict[str, Any] = {}
+        bad: list[str] = []
         for name, v in values.items():
-            if is_storable_value(v):
-                out[name] = ValueMeta(name=name, value=v, checksum=value_checksum(v))
-            else:
-                pickled[name] = v
+            try:
+                if not is_storable_value(v):
+                    pickled[name] = v
+                    continue
+                inline[name] = _json_checksum(v)
+            except (ValueError, TypeError, RecursionError) as e:
+                bad.append(f"{name!r}: {type(e).__name__}: {str(e)[:120]}")
+        if bad:
+            raise ValueError(f"{len(bad)} value(s) cannot be stored in the metadata's JSON: {summarise(bad)}. "
+                             "Convert them (for example a huge int to a str)")
         if pickled and not self.allow_pickle:
             kinds = [f"{k!r}: {type(v).__module__}.{type(v).__name__}" for k, v in pickled.items()]
             raise TypeError(f"{len(pickled)} value(s) cannot be stored as JSON (None, bool, int, float, "
                             f"str, and lists, tuples and dicts of them): {summarise(kinds)}. Convert them, or pass "
                             "allow_pickle=True on save and on load (only for trusted checkpoints)")
-        if pickled:
-            final = self._target(file_name)
-            raw = pickle.dumps(pickled, protocol=pickle.HIGHEST_PROTOCOL)
-            _atomic_write(final, [raw])
-            checksum = bytes_checksum(raw)
-            for name in pickled:
+        raw = _pickle_values(pickled) if pickled else None
+        return EncodedValues({n: values[n] for n in inline}, inline, tuple(pickled), raw)
+
+    def write_values(self, values: Mapping[str, Any] | EncodedValues, *,
+                     file_name: str = "values.pkl") -> dict[str, ValueMeta]:
+        """ValueMeta for each non-tensor value: JSON values inline; others pickled into
+        ``file_name`` when allow_pickle, else TypeError listing every offender. Each carries
+        a checksum (of its JSON text, or of the bytes of ``file_name``). ``values`` may be
+        what ``encode_values`` returned (nothing is serialised twice)."""
+        enc = values if isinstance(values, EncodedValues) else self.encode_values(values)
+        out = {name: ValueMeta(name=name, value=v, checksum=enc.checksums[name]) for name, v in enc.inline.items()}
+        if enc.pickled is not None:
+            _atomic_write(self._target(file_name), [enc.pickled])
+            checksum = bytes_checksum(enc.pickled)
+            for name in enc.pickled_names:
                 out[name] = ValueMeta(name=name, file=file_name, key=name, checksum=checksum)
         return out
+
+    def lock(self, note: Mapping[str, Any] | None = None) -> WriterLock:
+        """Take the directory's single-writer lock (``WriterLockError`` naming the holder
+        when another process writes into it); release it after ``commit``. ``note``: added
+        to the record the next writer reads as ``WriterLock.previous``."""
+        return WriterLock(self.path, note).acquire()
+
+    def discard(self, file_names: Iterable[str]) -> None:
+        """Remove files this save wrote (after a failure, before ``commit``); best effort."""
+        for name in file_names:
+            try:
+                os.unlink(self._target(name))
+            except OSError:
+                pass  # already gone or unreachable: the next save's remove_stray takes it
+
+    def remove_stray(self, metadata: CheckpointMetadata) -> list[str]:
+        """After ``commit(metadata)``: remove the files the native writer names (data, values
+        and temporary files) that ``metadata`` does not refer to, left by an earlier save or
+        a killed one. Other files are never touched. Returns the names removed."""
+        removed = []
+        for name in stray_files(os.path.realpath(self.path), metadata):
+            try:
+                os.unlink(os.path.join(self.path, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # the checkpoint is committed; a leftover only costs space
+                logger.warning("could not remove the leftover %s: %s", os.path.join(self.path, name), e)
+        if removed:
+            _fsync_dir(self.path)
+            logger.debug("removed %d leftover file(s) from %s: %s", len(removed), self.path, summarise(removed))
+        return removed
 
     def invalidate(self) -> None:
         """Remove a committed metadata file (rank 0, before any rank writes new data)."""

@@ -1,0 +1,243 @@
+"""``save`` never destroys the checkpoint already in the directory, in one process: every
+refusal (a value JSON cannot hold, one beyond its serialiser, a Chunk that does not tile,
+a second writer, a sibling rank's no_dist save) comes before anything is touched; a
+failed write (a disk that fills: a real EFBIG in a subprocess) leaves the old checkpoint
+whole and removes the new files; an overwrite removes only the files the new metadata does
+not name and that the native writer names; ``dcp verify`` reports stray and missing files.
+Destinations are poisoned before each load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import dcp_load
+import pytest
+import torch
+from dcp_load import Chunk, LoadError
+from dcp_load._cli import main as cli
+from dcp_reader import METADATA_FILE, NativeWriter, WriterLockError, verify_checkpoint
+
+LOCK = ".dcp-save.lock"
+
+
+def _state(gen: int) -> dict:
+    g = torch.Generator().manual_seed(gen)
+    return {"w": torch.randn(8, 4, generator=g), "b": torch.randn(3, generator=g), "step": gen,
+            "sched": {"lr": 0.1 * gen, "betas": (0.9, 0.99)}}
+
+
+def _poisoned() -> dict:
+    return {"w": torch.full((8, 4), float("nan")), "b": torch.full((3,), float("nan")), "step": None,
+            "sched": {"lr": None, "betas": None}}
+
+
+def _assert_holds(path, gen: int) -> None:
+    got, want = _poisoned(), _state(gen)
+    dcp_load.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+    assert got["step"] == gen and got["sched"] == want["sched"]
+    assert verify_checkpoint(path).ok, verify_checkpoint(path).problems
+
+
+def _listing(path) -> dict[str, bytes]:
+    return {n: (path / n).read_bytes() for n in sorted(os.listdir(path)) if n != LOCK}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "ckpt"
+    dcp_load.save(_state(1), checkpoint_id=path)
+    return path
+
+
+class Schedule:  # a value JSON cannot hold (module level, so that pickle can)
+    pass
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ({"sched": Schedule()}, r"'sched': .*Schedule.*allow_pickle=True"),
+    ({"big": 10 ** 5000}, r"'big': ValueError: .*4300"),
+    ({"deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]] * 1}, None),
+    ({"w": Chunk(torch.zeros(2, 4), (8, 4), (0, 0))}, "do not tile"),
+    ({"w": Chunk(torch.zeros(8, 4), (9, 4), (0, 0))}, "do not tile"),
+])
+def test_a_refused_save_touches_nothing(saved, bad, match):
+    before = _listing(saved)
+    state = {**_state(2), **bad}
+    if match is None:  # a deep but storable list: saves (the check decodes it back), then is restored
+        dcp_load.save(state, checkpoint_id=saved)
+        got = {**_poisoned(), "deep": None}
+        dcp_load.load(got, checkpoint_id=saved)
+        assert got["deep"] == bad["deep"]
+        return
+    with pytest.raises(LoadError, match=match):
+        dcp_load.save(state, checkpoint_id=saved)
+    assert _listing(saved) == before
+    _assert_holds(saved, 1)
+
+
+def test_a_value_nested_beyond_what_json_reads_back_is_named(saved):
+    deep: tuple = ()
+    for _ in range(5000):
+        deep = (deep,)
+    with pytest.raises(LoadError, match=r"'deep': RecursionError"):
+        dcp_load.save({**_state(2), "deep": deep}, checkpoint_id=saved)
+    _assert_holds(saved, 1)
+
+
+def test_a_failed_write_keeps_the_old_checkpoint_and_removes_the_new_files(saved, monkeypatch):
+    before = _listing(saved)
+    real = NativeWriter.write_file
+
+    def fill_disk(self, name, tensors):
+        real(self, name, tensors)  # the data file is written, then the values file fails
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(NativeWriter, "write_file", fill_disk)
+    with pytest.raises(LoadError, match="No space left on device"):
+        dcp_load.save(_state(2), checkpoint_id=saved)
+    assert _listing(saved) == before
+    _assert_holds(saved, 1)
+
+
+def test_a_disk_that_fills_keeps_the_old_checkpoint(saved):
+    # RLIMIT_FSIZE makes every write past 64 KiB fail with EFBIG, as a full disk fails with
+    # ENOSPC: a real failure from the kernel in the middle of the new data file.
+    script = textwrap.dedent(f"""
+        import resource, signal, torch, dcp_load
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            dcp_load.save({{"w": torch.ones(512, 512), "step": 2}}, checkpoint_id={str(saved)!r})
+        except dcp_load.LoadError as e:
+            print("REFUSED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout and "File too large" in out.stdout, out.stdout + out.stderr
+    assert not [n for n in os.listdir(saved) if ".tmp-" in n]
+    _assert_holds(saved, 1)
+
+
+def test_an_overwrite_switches_at_once_and_removes_the_old_files(saved):
+    old = set(os.listdir(saved))
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    new = set(os.listdir(saved))
+    assert not (old & new) - {METADATA_FILE, LOCK}  # every data file is new: the old stayed until the commit
+    _assert_holds(saved, 2)
+
+
+def test_leftovers_are_reported_then_removed_by_the_next_save(saved, capsys):
+    dcp_load.save({**_state(1), "sched": Schedule()}, checkpoint_id=saved, allow_pickle=True)
+    pickles = [n for n in os.listdir(saved) if n.endswith(".pkl")]
+    assert len(pickles) == 1
+    # an earlier save by 4 ranks (names without a save id, as older versions wrote), a killed
+    # save's temporary file, and a file that is not the writer's
+    extra = ["rank-00001.safetensors", "rank-00003.0123456789ab.safetensors", "values.pkl",
+             "rank-00000.0123456789ab.safetensors.tmp-4242", "dcp-metadata.json.tmp-77"]
+    for n in extra + ["notes.txt", "rank-1.safetensors"]:
+        (saved / n).write_bytes(b"x" * 100)
+    report = verify_checkpoint(saved)
+    assert not report.ok and sorted(p.split("'")[1] for p in report.problems) == sorted(extra)
+    assert cli(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("PROBLEM stray file") == len(extra) and "5 problem(s)" in out
+
+    dcp_load.save(_state(2), checkpoint_id=saved)  # no pickled value now: its file goes too
+    left = set(os.listdir(saved))
+    assert not left & set(extra + pickles) and {"notes.txt", "rank-1.safetensors"} <= left
+    _assert_holds(saved, 2)
+
+
+def test_a_missing_data_file_is_a_problem_that_names_it(saved, capsys):
+    dcp_load.save({**_state(1), "sched": Schedule()}, checkpoint_id=saved, allow_pickle=True)
+    data = next(n for n in os.listdir(saved) if n.endswith(".safetensors"))
+    pickled = next(n for n in os.listdir(saved) if n.endswith(".pkl"))
+    os.remove(saved / data)
+    assert cli(["verify", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert f"PROBLEM missing file {data!r}" in out and "'b'; 'w'" in out and "1 problem(s)" in out
+    os.remove(saved / pickled)
+    report = verify_checkpoint(saved)
+    assert len(report.problems) == 2 and pickled in report.problems[1] and "'sched'" in report.problems[1]
+
+
+def test_a_second_writer_is_refused_naming_the_first(saved):
+    before = _listing(saved)
+    with NativeWriter(saved).lock():
+        with pytest.raises(LoadError, match=rf"another save is writing into this checkpoint directory \(pid {os.getpid()}"):
+            dcp_load.save(_state(2), checkpoint_id=saved)
+        with pytest.raises(WriterLockError):
+            NativeWriter(saved).lock()
+    assert _listing(saved) == before
+    _assert_holds(saved, 1)
+    dcp_load.save(_state(3), checkpoint_id=saved)  # released: the next save proceeds
+    _assert_holds(saved, 3)
+
+
+def _launch(monkeypatch, rank: int, port: str = "29500") -> None:
+    for k, v in {"WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                 "TORCHELASTIC_RUN_ID": "job"}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_no_dist_ranks_of_one_launch_cannot_share_a_directory(tmp_path, monkeypatch):
+    path = tmp_path / "shared"
+    _launch(monkeypatch, 0)
+    with pytest.raises(RuntimeError, match=r"no_dist=True and a checkpoint_id of this rank's own"):
+        dcp_load.save(_state(1), checkpoint_id=path)  # the advice of the launcher check is safe
+    dcp_load.save(_state(1), checkpoint_id=path, no_dist=True)
+    _launch(monkeypatch, 1)
+    with pytest.raises(LoadError, match=r"saved by rank 0 of this launch .* this is rank 1"):
+        dcp_load.save(_state(2), checkpoint_id=path, no_dist=True)
+    _assert_holds(path, 1)  # rank 0's tensors are still there
+    dcp_load.save(_state(2), checkpoint_id=tmp_path / "rank-1", no_dist=True)  # its own directory: fine
+    _launch(monkeypatch, 0)
+    dcp_load.save(_state(3), checkpoint_id=path, no_dist=True)  # the same rank again: an overwrite
+    _assert_holds(path, 3)
+    _launch(monkeypatch, 1, port="29611")  # another launch
+    dcp_load.save(_state(4), checkpoint_id=path, no_dist=True)
+    _assert_holds(path, 4)
+
+
+def test_a_filesystem_without_locks_still_saves(saved, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    assert "does not support file locks" in caplog.text
+    _assert_holds(saved, 2)
+
+
+def test_two_ranks_of_a_launch_saving_with_no_dist_into_one_directory(tmp_path):
+    # what torchrun does without init_process_group, after following the advice: both ranks
+    # start together; whether their saves overlap (the lock) or not (the launch record),
+    # exactly one is refused and the directory holds the other's tensors, whole
+    path = tmp_path / "shared"
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import dcp_load
+        from test_save_atomic import _state
+        gen = int(os.environ["RANK"]) + 1
+        try:
+            dcp_load.save(_state(gen), checkpoint_id={str(path)!r}, no_dist=True)
+            print("SAVED", gen)
+        except dcp_load.LoadError as e:
+            print("REFUSED", e)
+    """)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+           "TORCHELASTIC_RUN_ID": "both"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    lines = [next((x for x in o.splitlines() if x.startswith(("SAVED", "REFUSED"))), e) for o, e in outs]
+    saved = [int(line.split()[1]) for line in lines if line.startswith("SAVED")]
+    assert len(saved) == 1 and sum(line.startswith("REFUSED") for line in lines) == 1, lines
+    _assert_holds(path, saved[0])

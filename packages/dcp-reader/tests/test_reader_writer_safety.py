@@ -1,0 +1,114 @@
+"""NativeWriter's overwrite safety, property-based: ``stray_files`` lists exactly the files
+the writer names (data, values, temporary files) that the metadata does not, never one it
+names and never a foreign file; ``remove_stray`` removes exactly those. ``encode_values``
+accepts a value only when the committed metadata reads it back equal, and otherwise names
+the key; the single-writer lock refuses a second holder and records the last commit."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+from dcp_reader import (
+    CheckpointMetadata,
+    ChunkMeta,
+    NativeWriter,
+    TensorMeta,
+    WriterLockError,
+    chunk_key,
+    data_file_name,
+    open_checkpoint,
+    stray_files,
+    values_file_name,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_IDS = st.text("0123456789abcdef", min_size=12, max_size=12)
+_OWN = st.one_of(
+    st.builds(data_file_name, st.integers(0, 99999), _IDS),
+    st.builds(values_file_name, _IDS),
+    st.integers(0, 99999).map(lambda r: f"rank-{r:05d}.safetensors"),  # written by dcp-reader <= 0.3
+    st.just("values.pkl"),
+)
+_FOREIGN = st.one_of(
+    st.sampled_from(["model.safetensors", "rank-1.safetensors", "notes.txt", "values.json", ".metadata",
+                     "rank-00000.ABCDEF012345.safetensors", "rank-00000.safetensors.tmp-x", "__0_0.distcp"]),
+    st.text("abcxyz-_.", min_size=1, max_size=12).filter(lambda n: n not in (".", "..")),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(own=st.lists(st.tuples(_OWN, st.booleans()), max_size=8, unique_by=lambda x: x[0]),
+       foreign=st.lists(_FOREIGN, max_size=5, unique=True), named_count=st.integers(0, 8))
+def test_stray_files_are_exactly_the_writers_unnamed_files(own, foreign, named_count):
+    with tempfile.TemporaryDirectory() as root:
+        own_names = [n + (f".tmp-{len(n)}" if tmp else "") for n, tmp in own]
+        foreign = [n for n in foreign if n not in own_names]
+        for n in own_names + foreign:
+            with open(os.path.join(root, n), "wb") as f:
+                f.write(b"x")
+        data = [n for n in own_names if n.endswith(".safetensors")][:named_count]
+        chunks = tuple(ChunkMeta((i,), (1,), n, chunk_key("t", (i,))) for i, n in enumerate(data))
+        meta = CheckpointMetadata(tensors={"t": TensorMeta("t", (len(data),), "uint8", chunks)} if data else {},
+                                  values={}, format="native")
+        want = sorted(set(own_names) - set(data))
+        assert stray_files(root, meta) == want
+        assert sorted(NativeWriter(root).remove_stray(meta)) == want
+        assert sorted(os.listdir(root)) == sorted(set(data) | set(foreign))
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(10 ** 30), 10 ** 30),
+                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+_VALUES = st.recursive(_SCALARS, lambda kids: st.one_of(
+    st.lists(kids, max_size=3), st.tuples(kids, kids),
+    st.dictionaries(st.one_of(st.text(max_size=4), st.integers(-5, 5), st.tuples(st.integers(0, 3))), kids,
+                    max_size=3)), max_leaves=12)
+
+
+def _same(a, b) -> bool:  # equal, nan included, and alike in type (a tuple stays a tuple)
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+@settings(max_examples=80, deadline=None)
+@given(value=_VALUES)
+def test_an_accepted_value_reads_back_alike(value):
+    with tempfile.TemporaryDirectory() as root:
+        w = NativeWriter(root)
+        meta = w.write_values(w.encode_values({"v": value}))
+        w.commit(CheckpointMetadata(tensors={}, values=meta, format="native"))
+        with open_checkpoint(root) as r:
+            assert _same(r.read_value("v"), value)
+
+
+@pytest.mark.parametrize(("value", "words"), [(10 ** 5000, "ValueError"), (float, "allow_pickle=True")],
+                         ids=["huge-int", "a-class"])
+def test_a_refused_value_is_named(tmp_path, value, words):
+    w = NativeWriter(tmp_path)
+    with pytest.raises((TypeError, ValueError), match=rf"'bad'.*{words}|{words}.*'bad'"):
+        w.encode_values({"ok": 1, "bad": value})
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_the_lock_refuses_a_second_holder_and_records_the_last_commit(tmp_path):
+    first = NativeWriter(tmp_path).lock({"who": "first"})
+    with pytest.raises(WriterLockError, match=rf"pid {os.getpid()}") as info:
+        NativeWriter(tmp_path).lock()
+    assert info.value.holder["who"] == "first"
+    first.committed()
+    first.release()
+    second = NativeWriter(tmp_path).lock({"who": "second"})
+    assert second.previous["who"] == "first"
+    second.release()  # not committed: the next writer still sees the first
+    third = NativeWriter(tmp_path).lock()
+    assert third.previous["who"] == "first"
+    third.release()

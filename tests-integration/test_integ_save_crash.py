@@ -1,0 +1,44 @@
+"""A save never leaves a directory without a whole checkpoint. On 2 real gloo ranks, saves
+that fail (boxes that overlap between the ranks, global shapes that differ, a disk that
+fills on one rank) raise on every rank and leave the old checkpoint and its files as they
+were. Then the CI subset of the save-crash trials (save_crash.py): savers SIGKILLed at
+random points of saves and overwrites, by one process and by 2 gloo ranks, after which the
+directory holds the old checkpoint or the new one, whole and exact, or none when there was
+none. The 200-kill run is benchmarks/save_crash.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from dcp_platform.testing import run_ranks
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import integ_save_cases as cases  # noqa: E402
+import save_crash as sc  # noqa: E402
+
+KILLS = int(os.environ.get("DCP_SAVE_CRASH_KILLS", "8"))
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_ranks(cases.refused_saves, 2, str(tmp_path_factory.mktemp("refused")), timeout=200, pg_timeout=60)
+
+
+@pytest.mark.parametrize(("case", "words"), [("overlap", "do not tile"), ("shapes", "global shape"),
+                                             ("disk_full", "No space left on device")])
+def test_a_failed_two_rank_save_keeps_the_old_checkpoint(refused, case, words):
+    for out in refused:
+        err = out[case]["error"]
+        assert err is not None and err["type"] == "LoadError" and words in err["message"], err
+        assert out[f"{case}_after"] == out["before"]  # nothing added, nothing removed
+    assert refused[0]["check"] == ("old", "")
+
+
+def test_killed_saves_leave_one_whole_checkpoint():
+    result = sc.run_trials(KILLS, log=print)
+    print(result["counts"])
+    assert not result["failures"], "\n".join(result["failures"])
+    assert result["counts"].get("killed", 0) >= KILLS // 2  # most kills land inside a save
