@@ -20,7 +20,7 @@ from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._progress import Progress
 from ._report import LoadReport
-from ._state import Chunk, flatten_state_dict, is_tensor
+from ._state import Chunk, flatten_state_dict, is_tensor, unsupported_values
 from ._targets import Target, in_mesh, target_for
 from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
@@ -254,7 +254,8 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
     try:
         tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
         prep.by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
-        prep.values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+        errs, prep.values = unsupported_values([leaf for leaf in leaves if not is_tensor(leaf.value)])
+        errors.extend(errs)  # named before the missing keys, which they are not
         prep.outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
         targets = [target_for(leaf) for leaf in tensor_leaves if in_mesh(leaf.value)]
         if prep.reader is None:
