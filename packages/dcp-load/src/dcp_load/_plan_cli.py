@@ -34,7 +34,10 @@ def add_parser(sub: Any) -> None:
                    "each role's fastest (default 3: other work on the machine only adds time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
-    p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
+    # Kept so that command lines that pass it still run: plan reads tensor metadata only,
+    # which dcp_reader never unpickles.
+    p.add_argument("--allow-pickle", action="store_true", help="has no effect: dcp plan reads no values, and "
+                   "checkpoint metadata is never unpickled")
 
 
 def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str]:
