@@ -29,8 +29,6 @@ def test_one_tensor_one_value_one_file_in_the_singular(tmp_path, capsys):
     dcp_load.save({"w": torch.ones(2), "step": 3}, checkpoint_id=tmp_path, no_dist=True)
     assert main(["inspect", str(tmp_path)]) == 0
     assert ": format native, 1 tensor, 1 value, 8 B in 1 data file" in capsys.readouterr().out
-    assert main(["verify", str(tmp_path)]) == 0
-    assert "1 tensor, 1 chunk (" in capsys.readouterr().out
 
 
 class Opaque:  # a value torch.load(weights_only=True) refuses (module level, so that pickle can)

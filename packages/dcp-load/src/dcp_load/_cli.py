@@ -109,10 +109,10 @@ def verify(path: str, *, out=None) -> int:
     checked = (f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
                if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
-    values = (f", {plural(report.values, 'value')} ({report.values_with_checksums} with checksums)"
+    values = (f", {report.values} values ({report.values_with_checksums} with checksums)"
               if report.values else "")
-    print(f"{report.path}: {status}: format {report.format}, {plural(report.tensors, 'tensor')}, "
-          f"{plural(report.chunks, 'chunk')} ({checked}){values} in {report.seconds:.2f} s", file=out)
+    print(f"{report.path}: {status}: format {report.format}, {report.tensors} tensors, {report.chunks} chunks "
+          f"({checked}){values} in {report.seconds:.2f} s", file=out)
     return 0 if report.ok else 1
 
 
