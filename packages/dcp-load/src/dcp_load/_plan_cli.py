@@ -30,8 +30,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mesh", required=True, help="layout, e.g. tp=8,pp=8,dp=256 (TP innermost, then PP, then DP)")
     p.add_argument("--fsdp", action="store_true", help="shard every tensor's dim 0 over dp (else replicate)")
     p.add_argument("--ranks-per-host", type=int, default=8, help="ranks sharing a page cache (default 8)")
-    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes and keep "
-                   "each role's fastest (default 3: other work on the machine only adds time)")
+    p.add_argument("--repeats", type=int, default=3, help="time the rank roles in this many passes (every role "
+                   "in the first, the roles at or above its median in the others) and keep each role's fastest "
+                   "(default 3: other work on the machine only adds time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
     # Kept so that command lines that pass it still run: plan reads tensor metadata only,
