@@ -1,7 +1,8 @@
 """``dcp plan``: the dry run's JSON and text output for built-in models and a checkpoint
 directory, its numbers checked against the global plan built from every rank's gathered
 wants, the PNG, clear errors for bad arguments and unreadable checkpoints, the histogram's
-bins, the terminal status line, and role timing (forked or not, its heap left frozen)."""
+bins (property-tested, as is the mesh parsing), the terminal status line, and role timing
+(which roles each pass times, the simulation frozen out of garbage collection)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dcp_load._cli import main
 from dcp_load._plan import build_global_plan
 from dcp_load._plan_cli import StatusLine, histogram
 from dcp_load._simulate import Layout, gathered_wants, model_metadata, simulate
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 KEYS = {"world_size", "planning_seconds_max", "exchanged_bytes_per_rank_max", "read_bytes_per_rank_max",
         "read_bytes_per_rank_mean", "broadcasts_per_rank_max", "amplification"}
@@ -201,3 +204,28 @@ def test_every_role_is_timed_once_and_the_slower_half_in_every_pass(monkeypatch)
     assert out["planning_seconds_max"] == 0.004 and out["planning_seconds_median"] == 0.0025
     assert out["planning_cpu_seconds_max"] == 0.002
     assert said[0] == "building the job's plan: 4 ranks" and said[-1] == "timing rank roles: pass 3 of 3, role 3 of 3"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**12), min_size=1, max_size=300))
+def test_histogram_counts_every_rank_once_under_distinct_labels(values) -> None:
+    lines = histogram(values)
+    counts = [int(line.rsplit(" ", 1)[1]) for line in lines]
+    assert sum(counts) == len(values)
+    assert (len(lines) == 1) == (len(set(values)) == 1) and len(lines) <= 8
+    if len(lines) > 1:
+        edges = [" ".join(line.split("|")[0].split()) for line in lines]
+        assert len(set(edges)) == len(edges), lines
+        assert counts[0] >= 1 and counts[-1] >= 1  # the extremes fall in the end bins
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["tp", "pp", "dp"]), min_size=1, max_size=5), st.data())
+def test_parse_mesh_takes_each_dimension_once(dims, data) -> None:
+    sizes = [data.draw(st.integers(1, 4096)) for _ in dims]
+    text = ",".join(f"{d}={n}" for d, n in zip(dims, sizes, strict=True))
+    if len(set(dims)) < len(dims):
+        with pytest.raises(ValueError, match="each dimension may be given once"):
+            _simulate.parse_mesh(text)
+    else:
+        assert _simulate.parse_mesh(text) == {"tp": 1, "pp": 1, "dp": 1, **dict(zip(dims, sizes, strict=True))}
