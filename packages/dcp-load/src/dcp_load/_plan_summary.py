@@ -2,9 +2,9 @@
 
 ``plan_numbers`` reads them off a built ``GlobalPlan`` without any collective: for the
 whole job's plan (the gathered path) they are the job's; for one rank's part of a derived
-plan they cover the replica groups that rank planned (its holder sets: the ranks it shares
-a tensor with, counting only those tensors), which is all a rank knows without asking the
-others. ``summary_text`` formats them; ``dcp plan`` computes the job's numbers for any
+plan they are that rank's broadcasts and the amplification of the replica groups it
+planned (its holder sets), which is all a rank knows without asking the others: bytes
+read per rank are left out there, since the part charges other ranks only for its rows. ``summary_text`` formats them; ``dcp plan`` computes the job's numbers for any
 world size in one process (``_simulate``) and prints them through the same function.
 """
 
