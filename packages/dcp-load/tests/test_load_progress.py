@@ -148,7 +148,29 @@ def test_two_ranks_only_rank_0_logs_and_draws(checkpoint):
     assert msgs0[2].startswith("load plan: 2 tensor(s) on 2 rank(s); rank 0 reads "), msgs0[2]
     # a derived plan: rank 0 knows the replica groups it planned, here both ranks; w and b
     # (8,320 bytes) are read once between them, each broadcast to the other
-    assert "; rank 0's replica groups: read per rank: max " in msgs0[2] and msgs0[2].endswith(
-        "broadcasts per rank: max 2; storage amplification: 1.0000"), msgs0[2]
+    assert msgs0[2].endswith("; rank 0's replica groups: broadcasts of rank 0: 2; storage amplification: 1.0000"), \
+        msgs0[2]
     assert "dcp load [" in bar0 and bar0.endswith("\n")
     assert msgs1 == [] and bar1 == ""
+
+
+def test_a_rank_part_of_a_derived_plan_claims_no_job_wide_reads_per_rank():
+    """Rank r's part of a derived plan charges other ranks only the rows it planned: a
+    max/mean over those partial loads (1.537 here, against 1.000 for the job) must not be
+    printed as the job's bytes read per rank."""
+    from dcp_load._local_plan import plan_for_rank
+    from dcp_load._plan import HostBlocks
+    from dcp_load._plan_summary import plan_numbers, summary_text
+    from dcp_load._simulate import Layout, model_metadata, simulate, stage_entries
+
+    tensors, layout = model_metadata("llama-8b"), Layout(2, 2, 2, ranks_per_host=1)
+    job = simulate(tensors, layout, time_roles=False)
+    assert summary_text(job).startswith("read per rank: max 2.0 GB, mean 2.0 GB (max/mean 1.000); ")
+    per_stage = stage_entries(tensors, layout)
+    for rank, stage in ((0, 0), (3, 1)):
+        part = plan_for_rank(tensors, per_stage[stage], rank, layout.world, hosts=HostBlocks(8, 1),
+                             same_host_reads=True)
+        numbers = plan_numbers(part)
+        assert numbers["read_bytes_per_rank_max"] is None and numbers["read_bytes_per_rank_mean"] is None
+        assert summary_text(numbers) == (f"broadcasts of rank {rank}: {len(part.broadcasts)}; "
+                                         "storage amplification: 1.0000")

@@ -6,8 +6,39 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from ._progress import human_bytes
+from ._progress import human_bytes, plural
+
+#: (distribution, import name) of every dcp package, as ``dcp --version`` lists them.
+PACKAGES = (("dcp-load", "dcp_load"), ("dcp-reader", "dcp_reader"), ("dcp-broadcast", "dcp_broadcast"),
+            ("dcp-platform", "dcp_platform"))
+
+
+def versions() -> list[str]:
+    """``"dcp-load 0.4.1"`` per dcp package: the version of the code that would be imported
+    (its ``_version`` module), ``"not installed"`` for a package that cannot be found."""
+    import importlib
+    import importlib.util
+
+    out = []
+    for dist, module in PACKAGES:
+        if importlib.util.find_spec(module) is None:
+            out.append(f"{dist} not installed")
+            continue
+        version = importlib.import_module(f"{module}._version").__version__
+        out.append(f"{dist} {version}")
+    return out
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version of every dcp package and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print("\n".join(versions()))
+        parser.exit()
 
 
 def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int | None = None) -> int:
@@ -24,8 +55,9 @@ def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int 
         meta = reader.metadata
         total = sum(t.nbytes for t in meta.tensors.values())
         files = {c.file for t in meta.tensors.values() for c in t.chunks}
-        print(f"{reader.path}: format {meta.format}, {len(meta.tensors)} tensors, {len(meta.values)} values, "
-              f"{human_bytes(total)} in {len(files)} data file(s)", file=out)
+        print(f"{reader.path}: format {meta.format}, {plural(len(meta.tensors), 'tensor')}, "
+              f"{plural(len(meta.values), 'value')}, {human_bytes(total)} in {plural(len(files), 'data file')}",
+              file=out)
         width = max([4, *(len(n) for n in meta.tensors), *(len(n) for n in meta.values)])
         print(f"{'name':<{width}}  {'shape':<18} {'dtype':<14} {'chunks':>6} {'bytes':>10}", file=out)
         for name in sorted(meta.tensors):
@@ -41,17 +73,21 @@ def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int 
 
 
 def _shown_value(reader, name: str, allow_pickle: bool, limit: int = 60) -> str:
-    """A value's repr (read from its file when it has one), cut to ``limit`` characters."""
-    from dcp_reader import CheckpointError
+    """A value's repr (read from its file when it has one), cut to ``limit`` characters.
+    A value in a file is read as ``load`` reads it: without ``allow_pickle`` only what needs
+    no code from the checkpoint (inline JSON; torch DCP values that
+    ``torch.load(weights_only=True)`` accepts), so "pickled" marks exactly the values that
+    need ``--allow-pickle`` (and ``allow_pickle=True`` in ``load``)."""
+    from dcp_reader import CheckpointError, UnsafePickleError
 
     v = reader.metadata.values[name]
     if v.file is None:
         shown = repr(v.value)
-    elif not allow_pickle:
-        return f"(pickled in {v.file}; --allow-pickle shows it, for checkpoints you trust)"
     else:
         try:
             shown = repr(reader.read_value(name))
+        except UnsafePickleError:
+            return f"(pickled in {v.file}; --allow-pickle shows it, for checkpoints you trust)"
         except (CheckpointError, OSError, ValueError) as exc:
             return f"(unreadable from {v.file}: {type(exc).__name__}: {exc})"
     return shown if len(shown) <= limit else shown[:limit - 3] + "..."
@@ -82,13 +118,15 @@ def verify(path: str, *, out=None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp", description="Inspect and verify distributed checkpoints; run the demo.")
+    parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
     p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors, torch DCP or "
                    "hyper-parallel)")
     p.add_argument("--chunks", action="store_true", help="also list every saved chunk")
     p.add_argument("--allow-pickle", action="store_true",
-                   help="allow reading pickled metadata (only for checkpoints you trust)")
+                   help="also show values that only unpickling can read, which runs code from the "
+                   "checkpoint (only for checkpoints you trust); values that need no code are always shown")
     p.add_argument("--rank", type=int, help="the rank's metadata to show where each rank saved its own "
                    "(a hyper-parallel save without collectives: {rank}.metadata)")
     from ._plan_cli import add_parser as add_plan

@@ -22,7 +22,7 @@ from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._progress import Progress
 from ._report import LoadReport
 from ._sources import SourceMap
-from ._state import Chunk, Flat, flatten_state_dict, is_tensor
+from ._state import Chunk, Flat, flatten_state_dict, is_tensor, unsupported_values
 from ._targets import Target, in_mesh, target_for
 from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
@@ -45,7 +45,7 @@ def _check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: Any, gr
         raise ValueError(f"load: broadcast_replicated_tensors must be True, False or {AUTO!r}, "
                          f"got {broadcast!r}")
     if checkpoint_id is None and storage_reader is None:
-        raise ValueError("load: give checkpoint_id= (the checkpoint directory or file) or "
+        raise ValueError("load: give checkpoint_id= (the checkpoint directory) or "
                          "storage_reader= (an open dcp_reader.CheckpointReader)")
     if checkpoint_id is not None and storage_reader is not None:
         raise ValueError("load: give either checkpoint_id= or storage_reader=, not both "
@@ -129,7 +129,8 @@ def load(
 
     ``checkpoint_id``: a checkpoint directory (any format ``dcp_reader`` detects) or
     ``storage_reader``: an open ``dcp_reader.CheckpointReader`` (left open). ``planner``:
-    chooses the reader of each replicated box (default: ``GreedyPlanner``). ``no_dist`` or
+    chooses the reader of each replicated box (default: none, the byte-level owner rule of
+    ``_owners``, README "How it plans"; a planner replaces it, e.g. ``GreedyPlanner()``). ``no_dist`` or
     ``use_collectives=False``: no collective at all, every rank reads what it holds.
     ``broadcast_replicated_tensors``: ``True``: boxes several ranks hold are read once and
     broadcast; ``"auto"`` (default): the same, except boxes whose ranks all run on one host
@@ -138,7 +139,11 @@ def load(
     groups to reuse; ``broadcast_batch_bytes``: boxes below it are packed, 0 disables).
     ``strict=False`` skips entries the checkpoint lacks (listed in the report).
     ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
-    ``allow_pickle``: allow pickled non-tensor values (torch DCP checkpoints store them so).
+    ``allow_pickle``: allow non-tensor values that only unpickling can read, which runs code
+    from the checkpoint: native values saved with ``allow_pickle=True``, hyper-parallel's, and
+    torch DCP values that ``torch.load(weights_only=True)`` refuses (objects of your own
+    classes). torch DCP's plain values and optimizer state need no flag. Destinations that
+    hold an object with its own state (a module, an optimizer) or a numpy array are refused.
     ``allow_dtype_cast``: destinations whose dtype differs from the checkpoint's (float32
     master weights from a bfloat16 checkpoint) are cast piece by piece, as torch DCP does,
     and listed in the report's ``cast``; ``False`` refuses any dtype difference.
@@ -266,7 +271,8 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
     try:
         tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
         prep.by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
-        prep.values = [leaf for leaf in leaves if not is_tensor(leaf.value)]
+        errs, prep.values = unsupported_values([leaf for leaf in leaves if not is_tensor(leaf.value)])
+        errors.extend(errs)  # named before the missing keys, which they are not
         prep.outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
         targets = [target_for(leaf) for leaf in tensor_leaves if in_mesh(leaf.value)]
         errors.extend(check_overlaps(targets))  # a Flat sharing bytes with another entry

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._progress import human_bytes
+from ._progress import human_bytes, plural
 
 __all__ = ["add_parser", "run"]
 
@@ -29,23 +30,67 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mesh", required=True, help="layout, e.g. tp=8,pp=8,dp=256 (TP innermost, then PP, then DP)")
     p.add_argument("--fsdp", action="store_true", help="shard every tensor's dim 0 over dp (else replicate)")
     p.add_argument("--ranks-per-host", type=int, default=8, help="ranks sharing a page cache (default 8)")
-    p.add_argument("--repeats", type=int, default=3, help="time every rank role in this many passes and keep "
-                   "each role's fastest (default 3: other work on the machine only adds time)")
+    p.add_argument("--repeats", type=int, default=3, help="time the rank roles in this many passes (every role "
+                   "in the first, the roles at or above its median in the others) and keep each role's fastest "
+                   "(default 3: other work on the machine only adds time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--png", metavar="FILE", help="draw bytes read per rank into FILE (matplotlib)")
-    p.add_argument("--allow-pickle", action="store_true", help="allow pickled checkpoint metadata")
+    # Kept so that command lines that pass it still run: plan reads tensor metadata only,
+    # which dcp_reader never unpickles.
+    p.add_argument("--allow-pickle", action="store_true", help="has no effect: dcp plan reads no values, and "
+                   "checkpoint metadata is never unpickled")
 
 
 def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str]:
-    """A text histogram of ``values`` (bytes read per rank)."""
+    """A text histogram of ``values`` (bytes read per rank). Equal values make one line, and
+    never more bins than distinct byte counts fit between the extremes; where the rounded
+    sizes of two bin edges would print alike, the edges are printed in bytes."""
     lo, hi = min(values), max(values)
-    step = (hi - lo) / bins or 1
+    if lo == hi:
+        return [f"  {human_bytes(lo):>9} (every rank) | {'#' * width} {len(values)}"]
+    bins = max(1, min(bins, hi - lo))
+    step = (hi - lo) / bins
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, int((v - lo) / step))] += 1
     top = max(counts)
-    return [f"  {human_bytes(lo + k * step):>9} - {human_bytes(lo + (k + 1) * step):>9} | "
+    edges = [lo + k * step for k in range(bins + 1)]
+    labels = [human_bytes(e) for e in edges]
+    if len(set(labels)) < len(labels):
+        labels = [f"{round(e):,} B" for e in edges]
+    w = max(9, *(len(label) for label in labels))
+    return [f"  {labels[k]:>{w}} - {labels[k + 1]:>{w}} | "
             f"{'#' * max(1 if c else 0, round(width * c / top)):<{width}} {c}" for k, c in enumerate(counts)]
+
+
+class StatusLine:
+    """One line on a terminal saying what ``dcp plan`` is doing, redrawn in place at most
+    ten times a second and erased at the end; nothing when ``stream`` is not a terminal
+    (a log or a pipe gets only the result)."""
+
+    def __init__(self, stream: Any = None, clock: Any = time.monotonic):
+        self.stream = stream if stream is not None else sys.stderr
+        try:
+            self.on = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            self.on = False
+        self.clock, self.last, self.width = clock, float("-inf"), 0
+
+    def __call__(self, text: str) -> None:
+        now = self.clock()
+        if not self.on or now - self.last < 0.1:
+            return
+        self.last = now
+        line = f"dcp plan: {text}"
+        self.stream.write("\r" + line.ljust(self.width))
+        self.stream.flush()
+        self.width = max(self.width, len(line))
+
+    def close(self) -> None:
+        if self.on and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+        self.width = 0
 
 
 def _tensors(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,12 +122,17 @@ def _png(path: str, loads: Sequence[int], title: str) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace, out: Any = None) -> int:
-    """Run ``dcp plan`` with parsed ``args``; 0 on success, 2 on bad input."""
+def run(args: argparse.Namespace, out: Any = None, status: Any = None) -> int:
+    """Run ``dcp plan`` with parsed ``args``; 0 on success, 2 on bad input or a checkpoint
+    that cannot be read (one line on stderr). ``status``: where the progress line goes
+    (default ``StatusLine()``: stderr, on a terminal only)."""
+    from dcp_reader import CheckpointError
+
     from ._plan_summary import summary_text
     from ._simulate import Layout, parse_mesh, simulate
 
     out = out or sys.stdout
+    status = status or StatusLine()
     try:
         mesh = parse_mesh(args.mesh)
         if args.ranks_per_host < 1:
@@ -91,19 +141,22 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         tensors = _tensors(args)
         layout = Layout(mesh["tp"], mesh["pp"], mesh["dp"], fsdp=args.fsdp, ranks_per_host=args.ranks_per_host)
-        result = simulate(tensors, layout, repeats=args.repeats)
+        result = simulate(tensors, layout, repeats=args.repeats, progress=status)
         title = f"{args.model or args.checkpoint}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
         if args.png:
             _png(args.png, result["read_bytes_per_rank"], title)
-    except (ValueError, OSError) as exc:
+    except (CheckpointError, ValueError, OSError) as exc:
+        status.close()
         print(f"dcp plan: {exc}", file=sys.stderr)
         return 2
+    status.close()
     loads = result.pop("read_bytes_per_rank")
     if args.json:
         print(json.dumps(result, sort_keys=True), file=out)
         return 0
     lines = [
-        f"{title}: {result['world_size']} ranks, {result['tensors']} tensors, {human_bytes(result['unique_bytes'])}",
+        f"{title}: {result['world_size']} ranks, {plural(result['tensors'], 'tensor')}, "
+        f"{human_bytes(result['unique_bytes'])}",
         f"planning per rank (slowest of {result['roles_timed']} roles, fastest of {result['timing_repeats']} passes): "
         f"{result['planning_seconds_max'] * 1e3:.1f} ms wall, {result['planning_cpu_seconds_max'] * 1e3:.1f} ms CPU",
         f"exchanged per rank: {result['exchanged_bytes_per_rank_max']} B (digest), "

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["Progress", "human_bytes"]
+__all__ = ["Progress", "human_bytes", "plural"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError("unreachable")
+
+
+def plural(n: int, noun: str) -> str:
+    """``plural(1, "tensor")`` -> ``"1 tensor"``, ``plural(3, "tensor")`` -> ``"3 tensors"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class Progress:

@@ -9,18 +9,23 @@ since torch 2.4), so that the keys of a checkpoint saved by either tool match:
 * anything else (tuples included) is a leaf.
 
 Leaves that are tensors are loaded in place; other leaves are replaced in their container.
+Two kinds of leaf are neither, and ``unsupported_values`` names them so that ``load``
+refuses them before anything is written: objects with state of their own (a module, an
+optimizer, a scheduler: anything with ``state_dict`` and ``load_state_dict``), which a
+replacement would silently drop, and arrays of other libraries (numpy), which cannot be
+written in place.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ._flat import Flat
 
-__all__ = ["Chunk", "Flat", "Leaf", "flatten_state_dict", "is_tensor"]
+__all__ = ["Chunk", "Flat", "Leaf", "flatten_state_dict", "is_tensor", "unsupported_values"]
 
 
 def _shape_of(tensor: Any) -> tuple[int, ...]:
@@ -144,3 +149,55 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> list[Leaf]:
             leaves.append(leaf)
     return leaves
 
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _unsupported_kind(value: Any) -> tuple[str, str] | None:
+    """("stateful" or "array", the offending type) or None for a non-tensor leaf (the items
+    of lists and tuples looked into)."""
+    if isinstance(value, (list, tuple)):
+        inner = next((k for k in map(_unsupported_kind, value) if k), None)
+        return None if inner is None else (inner[0], f"{_type_name(value)} holding {inner[1]}")
+    if is_tensor(value) or isinstance(value, type):
+        return None
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return "stateful", _type_name(value)  # torch nn.Module, Optimizer, LR scheduler, a torch DCP Stateful
+    ms = sys.modules.get("mindspore")
+    if ms is not None and isinstance(value, ms.nn.Cell):
+        return "stateful", _type_name(value)
+    if hasattr(value, "__dlpack__") or (hasattr(value, "__array_interface__") and getattr(value, "ndim", 0) > 0):
+        return "array", _type_name(value)  # numpy (its scalars are values: no __dlpack__, ndim 0)
+    return None
+
+
+def unsupported_values(leaves: Sequence[Leaf]) -> tuple[list[str], list[Leaf]]:
+    """(errors, the other leaves) for the non-tensor ``leaves`` of a state dict to load into:
+    one error per kind of unsupported entry, naming every such key and its type."""
+    found: dict[str, list[str]] = {}
+    keep: list[Leaf] = []
+    for leaf in leaves:
+        kind = _unsupported_kind(leaf.value)
+        if kind is None:
+            keep.append(leaf)
+        else:
+            found.setdefault(kind[0], []).append(f"{leaf.name!r}: {kind[1]}")
+    errors = []
+    if "stateful" in found:
+        errors.append(
+            f"{len(found['stateful'])} state dict entr(ies) hold an object with its own state (a module, optimizer "
+            f"or scheduler), which load neither fills nor may replace: {_listed(found['stateful'])}; put its "
+            "state_dict() there instead (for a model and its optimizer: torch.distributed.checkpoint.state_dict."
+            "get_state_dict) and hand the loaded state back with load_state_dict (or set_state_dict)")
+    if "array" in found:
+        errors.append(
+            f"{len(found['array'])} state dict entr(ies) hold an array that load cannot write in place "
+            f"(it writes torch and MindSpore tensors): {_listed(found['array'])}; put torch.from_numpy(array) "
+            "there, which shares the array's memory, so the array is filled")
+    return errors, keep
+
+
+def _listed(items: Sequence[str], limit: int = 20) -> str:
+    return ", ".join(items[:limit]) + (f" ... and {len(items) - limit} more" if len(items) > limit else "")
