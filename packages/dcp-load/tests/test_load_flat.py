@@ -234,12 +234,13 @@ def test_a_whole_tensor_flat_saves_and_loads_into_boxes(tmp_path):
 
 
 # -- derived planning ---------------------------------------------------------------------------------
-def test_only_whole_tensor_flats_are_derivable():
+def test_flats_are_never_derived():
+    """Not even whole-tensor ones: derived as a plain tensor, a tensor one rank of a ZeRO
+    partition holds whole would be planned on every rank (test_integ_load_flat)."""
     from dcp_load._derive import derive_entry
 
     whole = Flat(torch.zeros(12), (3, 4), 0)
-    entry = derive_entry(whole, "w", (3, 4), "float32", 0, 4, [((0, 0), (3, 4))], 1)
-    assert entry is not None and entry.layout == ("plain",)
+    assert derive_entry(whole, "w", (3, 4), "float32", 0, 4, [((0, 0), (3, 4))], 1) is None
     part = Flat(torch.zeros(5), (3, 4), 2)
     assert derive_entry(part, "w", (3, 4), "float32", 0, 4, [((0, 2), (1, 2))], 1) is None
 
