@@ -278,3 +278,40 @@ def test_overlapping_destinations_are_refused_before_any_write(tmp_path):
     buf2 = _poison(16, torch.float32)
     load({"a": Flat(buf2[:8], (4, 4), 0), "b": Flat(buf2[8:], (4, 4), 8)}, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(buf2, a.reshape(-1))
+
+
+@pytest.mark.parametrize("kw", [{"start": 2.5}, {"start": True}, {"start": torch.tensor(2.7)}, {"start": "2"},
+                                {"global_shape": (3.7, 4)}, {"global_shape": "34"}, {"global_shape": (True, 4)},
+                                {"numel": 2.5}, {"local_start": 1.5}])
+def test_non_integer_arguments_are_refused_not_truncated(kw):
+    """A float start of 2.5 used to become 2 and global_shape "34" (3, 4): a silent wrong interval."""
+    args = {"tensor": torch.zeros(4), "global_shape": (3, 4), "start": 2, **kw}
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"Flat: {name} .*{type(kw[name]).__name__}"):
+        Flat(**args)
+
+
+def test_integer_like_arguments_are_taken():
+    import numpy as np
+
+    f = Flat(torch.zeros(4), torch.Size([3, 4]), np.int64(2), numel=torch.tensor(3), local_start=np.int32(1))
+    assert (f.global_shape, f.start, f.numel, f.local_start) == ((3, 4), 2, 3, 1)
+    assert type(f.start) is int and all(type(s) is int for s in f.global_shape)
+
+
+def test_negative_global_shape_is_named():
+    with pytest.raises(ValueError, match=r"global_shape \(-3, -4\) has a negative size"):
+        Flat(torch.zeros(4), [-3, -4], 0)
+
+
+def test_flat_views_refuses_bad_shapes_offsets_and_duplicates():
+    # A negative size used to shift every later tensor silently: b became [1, 4) of itself.
+    with pytest.raises(ValueError, match=r"flat_views: 'a' has shape \(-1,\)"):
+        flat_views([("a", (-1,)), ("b", (4,))], torch.zeros(3), 0)
+    # A repeated name the buffer touches once used to pass: ranks disagreed on its place.
+    with pytest.raises(ValueError, match=r"flat_views: 'a' appears twice"):
+        flat_views([("a", (4,)), ("a", (4,))], torch.zeros(4), 4)
+    with pytest.raises(TypeError, match=r"flat_views: offset must be an int, got 2.5"):
+        flat_views([("a", (4,)), ("b", (4,))], torch.zeros(2), 2.5)
+    with pytest.raises(TypeError, match=r"flat_views: 'a' has shape 4; give a sequence of ints"):
+        flat_views([("a", 4)], torch.zeros(2), 0)

@@ -14,6 +14,7 @@ This module imports no framework and nothing else of ``dcp_load``: ``_state`` im
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,30 @@ def _numel_of(tensor: Any) -> int:
     if shape is None:
         raise TypeError(f"Flat.tensor must be a torch or MindSpore tensor, got {type(tensor).__qualname__}")
     return math.prod(int(s) for s in shape)
+
+
+def _index(value: Any) -> int:
+    """``value`` as an int when it is one (Python, NumPy or a 0-dim integer tensor); a
+    ``TypeError`` for anything ``int()`` would truncate or parse (2.5, "2") and for bools."""
+    if isinstance(value, (bool, str, bytes)) or "bool" in str(getattr(value, "dtype", "")):
+        raise TypeError(f"not an int: {value!r}")
+    return operator.index(value)
+
+
+def _int(what: str, value: Any) -> int:
+    try:
+        return _index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _shape(what: str, value: Any) -> tuple[int, ...]:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError("a string")
+        return tuple(_index(s) for s in value)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {value!r} ({type(value).__name__})") from None
 
 
 def _is_contiguous(tensor: Any) -> bool:
@@ -56,23 +81,21 @@ class Flat:
     numel: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        try:
-            shape = tuple(int(s) for s in self.global_shape)
-            start, local_start = int(self.start), int(self.local_start)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"Flat: global_shape must be a sequence of ints and start an int, got "
-                            f"global_shape={self.global_shape!r}, start={self.start!r}") from exc
+        shape = _shape("Flat: global_shape", self.global_shape)
+        start, local_start = _int("Flat: start", self.start), _int("Flat: local_start", self.local_start)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Flat: global_shape {shape} has a negative size; give the global tensor's shape")
         if "torch.distributed.tensor" in type(self.tensor).__module__:
             raise TypeError("Flat.tensor is a DTensor; pass its local tensor (DTensor.to_local()) holding the "
                             "interval, or load the DTensor itself")
         held = _numel_of(self.tensor)
-        numel = held - local_start if self.numel is None else int(self.numel)
+        numel = held - local_start if self.numel is None else _int("Flat: numel", self.numel)
         object.__setattr__(self, "global_shape", shape)
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "local_start", local_start)
         object.__setattr__(self, "numel", numel)
         total = math.prod(shape)
-        if any(s < 0 for s in shape) or start < 0 or numel < 0 or start + numel > total:
+        if start < 0 or numel < 0 or start + numel > total:
             raise ValueError(f"Flat: the interval [start, start + numel) = [{start}, {start + numel}) does not fit "
                              f"in global_shape {shape}, which has {total} element(s); start must be >= 0 and "
                              f"start + numel <= {total}")
@@ -153,7 +176,7 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
     and ``numel`` (its slices do not write through on the CPU).
     """
     items = list(shapes.items()) if isinstance(shapes, Mapping) else list(shapes)
-    offset = int(offset)
+    offset = _int("flat_views: offset", offset)
     size = _numel_of(buffer)
     if offset < 0:
         raise ValueError(f"flat_views: offset must be >= 0, got {offset}")
@@ -164,13 +187,20 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
     flat = buffer.reshape(-1) if torch_buffer else buffer
     out: dict[str, Flat] = {}
     begin = 0
+    seen: set[Any] = set()
     for name, shape in items:
-        shape = tuple(int(s) for s in shape)
+        try:
+            shape = _shape("", shape)
+        except TypeError:
+            raise TypeError(f"flat_views: {name!r} has shape {shape!r}; give a sequence of ints") from None
+        if any(s < 0 for s in shape):  # it would shift every later tensor of the space
+            raise ValueError(f"flat_views: {name!r} has shape {shape}, with a negative size")
+        if name in seen:  # even where the buffer touches one of them: ranks would disagree on its place
+            raise ValueError(f"flat_views: {name!r} appears twice in shapes")
+        seen.add(name)
         end = begin + math.prod(shape)
         lo, hi = max(begin, offset), min(end, offset + size)
         if hi > lo:
-            if name in out:
-                raise ValueError(f"flat_views: {name!r} appears twice in shapes")
             if torch_buffer:
                 out[name] = Flat(flat[lo - offset:hi - offset], shape, lo - begin)
             else:
