@@ -315,3 +315,20 @@ def test_flat_views_refuses_bad_shapes_offsets_and_duplicates():
         flat_views([("a", (4,)), ("b", (4,))], torch.zeros(2), 2.5)
     with pytest.raises(TypeError, match=r"flat_views: 'a' has shape 4; give a sequence of ints"):
         flat_views([("a", 4)], torch.zeros(2), 0)
+
+
+def test_a_flat_over_a_non_tensor_is_refused_when_made():
+    """An array used to pass until load, which then named neither the key nor Flat."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="Flat.tensor must be a torch or MindSpore tensor, got ndarray"):
+        Flat(np.zeros(4, dtype=np.float32), (3, 4), 2)
+
+
+def test_flats_on_meta_are_refused_as_meta_not_as_overlapping(tmp_path):
+    """Every meta tensor has address 0: two meta Flats used to be reported overlapping too."""
+    _write(str(tmp_path), {"a": (_full((3, 4)), (1, 1)), "b": (_full((3, 4)), (1, 1))})
+    state = {k: Flat(torch.empty(4, device="meta"), (3, 4), 2) for k in ("a", "b")}
+    with pytest.raises(Exception, match="on the 'meta' device") as info:
+        load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert "overlap" not in str(info.value)

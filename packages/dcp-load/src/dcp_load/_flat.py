@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +27,12 @@ FlatBox = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 def _numel_of(tensor: Any) -> int:
-    shape = getattr(tensor, "shape", None)
-    if shape is None:
+    # By type, as ``_targets`` decides (MindSpore's Parameter reports module ``abc``); a
+    # framework not yet imported cannot have made ``tensor``.
+    kinds = tuple(m.Tensor for m in (sys.modules.get("torch"), sys.modules.get("mindspore")) if m is not None)
+    if not isinstance(tensor, kinds):
         raise TypeError(f"Flat.tensor must be a torch or MindSpore tensor, got {type(tensor).__qualname__}")
-    return math.prod(int(s) for s in shape)
+    return math.prod(int(s) for s in tensor.shape)
 
 
 def _index(value: Any) -> int:
