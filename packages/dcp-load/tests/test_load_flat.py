@@ -215,9 +215,9 @@ def test_cast_into_a_flat_buffer(tmp_path):
 def test_flat_views_of_a_space(tmp_path):
     space = [("a", (3, 4)), ("empty", (0, 2)), ("b", (5,)), ("c", ()), ("d", (2, 2))]
     buf = torch.zeros(9)
-    views = flat_views(space, buf, 10)  # elements [10, 19): the end of a, b, c, the head of d
-    assert {k: (v.start, v.numel) for k, v in views.items()} == {"a": (10, 2), "b": (0, 5), "c": (0, 1),
-                                                                   "d": (0, 1)}
+    views = flat_views(space, buf, 10)  # elements [10, 19): the end of a, empty, b, c, the head of d
+    assert {k: (v.start, v.numel) for k, v in views.items()} == {"a": (10, 2), "empty": (0, 0), "b": (0, 5),
+                                                                   "c": (0, 1), "d": (0, 1)}
     assert views["b"].tensor.data_ptr() == buf.data_ptr() + 2 * 4
     assert flat_views(dict(space), torch.zeros(0), 5) == {}
     with pytest.raises(ValueError, match=r"holds elements \[20, 30\) but the space .* has only 22"):
@@ -231,6 +231,20 @@ def test_a_whole_tensor_flat_saves_and_loads_into_boxes(tmp_path):
     got = torch.full((2, 3, 2), float("nan"))
     load({"a": Chunk(got, (5, 3, 2), (3, 0, 0))}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     assert torch.equal(got, a[3:])
+
+
+def test_a_space_saved_through_flat_views_keeps_its_empty_tensors(tmp_path):
+    """A tensor of no element lies at a point of the space: the buffers around that point
+    name it, so that save writes it (it used to be left out, and loading the checkpoint
+    into the model's tensors failed on the missing key)."""
+    space = [("a", (3, 4)), ("empty", (0, 2)), ("b", (5,)), ("end", (2, 0))]
+    values = torch.arange(17, dtype=torch.float32)
+    save(flat_views(space, values.clone(), 0), checkpoint_id=str(tmp_path / "one"))
+    state = {"a": torch.zeros(3, 4), "empty": torch.zeros(0, 2), "b": torch.zeros(5), "end": torch.zeros(2, 0)}
+    load(state, checkpoint_id=str(tmp_path / "one"), no_dist=True)
+    assert torch.equal(torch.cat([state["a"].reshape(-1), state["b"]]), values)
+    assert [k for k, v in flat_views(space, torch.zeros(5), 12).items() if v.numel == 0] == ["empty", "end"]
+    assert "empty" not in flat_views(space, torch.zeros(2), 13) and "empty" in flat_views(space, torch.zeros(0), 12)
 
 
 # -- derived planning ---------------------------------------------------------------------------------

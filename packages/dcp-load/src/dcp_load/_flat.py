@@ -174,7 +174,8 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
     ``shapes``: the space's tensors in order, as ``(name, shape)`` pairs (or a mapping in
     order): tensor ``k`` occupies the elements after tensor ``k - 1``'s. ``buffer``: this
     rank's contiguous tensor, holding elements ``[offset, offset + buffer.numel())`` of the
-    space. Tensors the buffer does not touch are left out. A torch buffer gives 1-D slices
+    space. Tensors the buffer does not touch are left out; one of no element is kept by the
+    buffers whose interval holds its position (ends included). A torch buffer gives 1-D slices
     of it; a MindSpore buffer gives ``Flat``s over the whole buffer with ``local_start``
     and ``numel`` (its slices do not write through on the CPU).
     """
@@ -203,7 +204,9 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
         seen.add(name)
         end = begin + math.prod(shape)
         lo, hi = max(begin, offset), min(end, offset + size)
-        if hi > lo:
+        # A tensor of no element sits at the point ``begin``: the buffers around it name it,
+        # so that ``save`` writes it and ``load`` checks it.
+        if hi > lo or (begin == end and offset <= begin <= offset + size):
             if torch_buffer:
                 out[name] = Flat(flat[lo - offset:hi - offset], shape, lo - begin)
             else:
