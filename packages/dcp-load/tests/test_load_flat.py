@@ -346,3 +346,11 @@ def test_flats_on_meta_are_refused_as_meta_not_as_overlapping(tmp_path):
     with pytest.raises(Exception, match="on the 'meta' device") as info:
         load(state, checkpoint_id=str(tmp_path), no_dist=True)
     assert "overlap" not in str(info.value)
+
+
+def test_a_local_start_past_the_tensor_is_named():
+    """It used to be reported as the interval [0, -2) not fitting the global shape."""
+    with pytest.raises(ValueError, match=r"local_start=6, numel=-2 do not fit in the tensor of 4 element"):
+        Flat(torch.zeros(4), (3, 4), 0, local_start=6)
+    with pytest.raises(ValueError, match=r"local_start=0, numel=-1 do not fit .* both must be >= 0"):
+        Flat(torch.zeros(4), (3, 4), 0, numel=-1)

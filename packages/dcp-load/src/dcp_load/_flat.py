@@ -97,14 +97,15 @@ class Flat:
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "local_start", local_start)
         object.__setattr__(self, "numel", numel)
+        if local_start < 0 or numel < 0 or local_start + numel > held:  # first: numel may follow from it
+            raise ValueError(f"Flat: local_start={local_start}, numel={numel} do not fit in the tensor of "
+                             f"{held} element(s) (shape {tuple(int(s) for s in self.tensor.shape)}); both must "
+                             f"be >= 0 and local_start + numel <= {held}")
         total = math.prod(shape)
-        if start < 0 or numel < 0 or start + numel > total:
+        if start < 0 or start + numel > total:
             raise ValueError(f"Flat: the interval [start, start + numel) = [{start}, {start + numel}) does not fit "
                              f"in global_shape {shape}, which has {total} element(s); start must be >= 0 and "
                              f"start + numel <= {total}")
-        if local_start < 0 or local_start + numel > held:
-            raise ValueError(f"Flat: local_start={local_start}, numel={numel} do not fit in the tensor of "
-                             f"{held} element(s) (shape {tuple(int(s) for s in self.tensor.shape)})")
         if not _is_contiguous(self.tensor):
             raise ValueError(f"Flat: the tensor of shape {tuple(int(s) for s in self.tensor.shape)} is not "
                              "contiguous, so its elements are not one run of memory; pass tensor.contiguous() "
