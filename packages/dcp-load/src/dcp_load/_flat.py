@@ -29,7 +29,8 @@ FlatBox = tuple[tuple[int, ...], tuple[int, ...], int]
 def _numel_of(tensor: Any) -> int:
     # By type, as ``_targets`` decides (MindSpore's Parameter reports module ``abc``); a
     # framework not yet imported cannot have made ``tensor``.
-    kinds = tuple(m.Tensor for m in (sys.modules.get("torch"), sys.modules.get("mindspore")) if m is not None)
+    kinds = tuple(t for t in (getattr(sys.modules.get(m), "Tensor", None) for m in ("torch", "mindspore"))
+                  if isinstance(t, type))
     if not isinstance(tensor, kinds):
         raise TypeError(f"Flat.tensor must be a torch or MindSpore tensor, got {type(tensor).__qualname__}")
     return math.prod(int(s) for s in tensor.shape)
