@@ -247,6 +247,14 @@ def test_a_space_saved_through_flat_views_keeps_its_empty_tensors(tmp_path):
     assert "empty" not in flat_views(space, torch.zeros(2), 13) and "empty" in flat_views(space, torch.zeros(0), 12)
 
 
+def test_save_refuses_a_tensor_only_empty_intervals_hold(tmp_path):
+    """An empty interval names its tensor: a save where no rank holds any of it is
+    incomplete (the tensor used to be left out of the checkpoint without a word)."""
+    with pytest.raises(Exception, match=r"'x': chunks cover 0 of 12 elements"):
+        save({"x": Flat(torch.zeros(0), (3, 4), 5), "y": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / "dcp-metadata.json").exists()
+
+
 # -- derived planning ---------------------------------------------------------------------------------
 def test_flats_are_never_derived():
     """Not even whole-tensor ones: derived as a plain tensor, a tensor one rank of a ZeRO
