@@ -201,7 +201,7 @@ def flat4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     run_case(results, "zero4_to_dp2tp2", zero4_to_dp2tp2)
 
     def planning(errors: list[str], whole: bool) -> Any:
-        """DTensors next to a Flat: derived when the Flat holds its whole tensor."""
+        """DTensors next to a Flat, whole or part of its tensor: loaded on the gathered path."""
         import dcp_load._load as load_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -230,6 +230,28 @@ def flat4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
 
     run_case(results, "planning_whole", lambda e: planning(e, True))
     run_case(results, "planning_part", lambda e: planning(e, False))
+
+    def at_tensor_edges(errors: list[str]) -> Any:
+        """ZeRO-4 cut at tensor boundaries: each rank holds its tensors whole and lacks the
+        others' (rank 3 holds no bf16 tensor), as partitions aligned to parameters do."""
+        state: dict[str, Any] = {}
+        buffers = []
+        for dtype in DTYPES:
+            edges, begin = [0], 0
+            for _, shape in space(dtype):
+                begin += math.prod(shape)
+                edges.append(begin)
+            last = len(edges) - 1  # the last rank takes every tensor from its first on
+            lo, hi = edges[min(rank, last)], edges[last if rank == world - 1 else min(rank + 1, last)]
+            buf = poison_like(torch.empty(hi - lo, dtype=dtype))
+            state.update(dcp_load.flat_views(space(dtype), buf, lo))
+            buffers.append((buf, space_values(dtype)[lo:hi]))
+        r = dcp_load.load(state, checkpoint_id=ckpts["hf"])
+        if not all(same(b, want) for b, want in buffers):
+            errors.append("ZeRO-4 at tensor edges: a buffer holds wrong values")
+        return report(r)
+
+    run_case(results, "zero4_at_tensor_edges", at_tensor_edges)
     return results
 
 

@@ -5,8 +5,8 @@ ZeRO-4 partitions of the per-dtype flat spaces (uneven cuts inside rows and acro
 tensors), each byte read once; DP2 x ZeRO-2, whose replicas read once and broadcast; the
 ragged checkpoint into DP2 x TP2 DTensors; and a ZeRO-4 save (one chunk per box, native
 format) loaded back into DP2 x TP2 DTensors, into whole tensors in one process, and into
-ZeRO-2 partitions on 2 ranks; derived planning with whole-tensor Flats next to DTensors,
-the gathered plan with partial ones."""
+ZeRO-2 partitions on 2 ranks; a ZeRO-4 partition cut at tensor edges (each rank holds
+whole tensors, different ones); the gathered plan for Flats next to DTensors."""
 
 from __future__ import annotations
 
@@ -124,6 +124,14 @@ def test_zero4_save_loads_into_zero2_on_two_ranks(results, ckpts):
     assert sum(r["bytes_read"] for r in reports) == cases.model_bytes()
 
 
-def test_derived_planning_takes_whole_tensor_flats_and_gathers_otherwise(results):
-    assert [r["derived"] for r in _case(results, "planning_whole")] == [True] * WORLD
+def test_flats_next_to_dtensors_use_the_gathered_plan(results):
+    assert [r["derived"] for r in _case(results, "planning_whole")] == [False] * WORLD
     assert [r["derived"] for r in _case(results, "planning_part")] == [False] * WORLD
+
+
+def test_zero4_cut_at_tensor_boundaries_loads_each_whole_tensor_on_its_rank(results):
+    """Every rank holds whole tensors, different ones per rank: no rank's wants follow from
+    another's, so the load must not plan them as plain tensors every rank holds."""
+    reports = _case(results, "zero4_at_tensor_edges")
+    assert sum(r["bytes_read"] for r in reports) == cases.model_bytes()
+

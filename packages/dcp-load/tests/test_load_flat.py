@@ -215,9 +215,9 @@ def test_cast_into_a_flat_buffer(tmp_path):
 def test_flat_views_of_a_space(tmp_path):
     space = [("a", (3, 4)), ("empty", (0, 2)), ("b", (5,)), ("c", ()), ("d", (2, 2))]
     buf = torch.zeros(9)
-    views = flat_views(space, buf, 10)  # elements [10, 19): the end of a, b, c, the head of d
-    assert {k: (v.start, v.numel) for k, v in views.items()} == {"a": (10, 2), "b": (0, 5), "c": (0, 1),
-                                                                   "d": (0, 1)}
+    views = flat_views(space, buf, 10)  # elements [10, 19): the end of a, empty, b, c, the head of d
+    assert {k: (v.start, v.numel) for k, v in views.items()} == {"a": (10, 2), "empty": (0, 0), "b": (0, 5),
+                                                                   "c": (0, 1), "d": (0, 1)}
     assert views["b"].tensor.data_ptr() == buf.data_ptr() + 2 * 4
     assert flat_views(dict(space), torch.zeros(0), 5) == {}
     with pytest.raises(ValueError, match=r"holds elements \[20, 30\) but the space .* has only 22"):
@@ -233,13 +233,36 @@ def test_a_whole_tensor_flat_saves_and_loads_into_boxes(tmp_path):
     assert torch.equal(got, a[3:])
 
 
+def test_a_space_saved_through_flat_views_keeps_its_empty_tensors(tmp_path):
+    """A tensor of no element lies at a point of the space: the buffers around that point
+    name it, so that save writes it (it used to be left out, and loading the checkpoint
+    into the model's tensors failed on the missing key)."""
+    space = [("a", (3, 4)), ("empty", (0, 2)), ("b", (5,)), ("end", (2, 0))]
+    values = torch.arange(17, dtype=torch.float32)
+    save(flat_views(space, values.clone(), 0), checkpoint_id=str(tmp_path / "one"))
+    state = {"a": torch.zeros(3, 4), "empty": torch.zeros(0, 2), "b": torch.zeros(5), "end": torch.zeros(2, 0)}
+    load(state, checkpoint_id=str(tmp_path / "one"), no_dist=True)
+    assert torch.equal(torch.cat([state["a"].reshape(-1), state["b"]]), values)
+    assert [k for k, v in flat_views(space, torch.zeros(5), 12).items() if v.numel == 0] == ["empty", "end"]
+    assert "empty" not in flat_views(space, torch.zeros(2), 13) and "empty" in flat_views(space, torch.zeros(0), 12)
+
+
+def test_save_refuses_a_tensor_only_empty_intervals_hold(tmp_path):
+    """An empty interval names its tensor: a save where no rank holds any of it is
+    incomplete (the tensor used to be left out of the checkpoint without a word)."""
+    with pytest.raises(Exception, match=r"'x': chunks cover 0 of 12 elements"):
+        save({"x": Flat(torch.zeros(0), (3, 4), 5), "y": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / "dcp-metadata.json").exists()
+
+
 # -- derived planning ---------------------------------------------------------------------------------
-def test_only_whole_tensor_flats_are_derivable():
+def test_flats_are_never_derived():
+    """Not even whole-tensor ones: derived as a plain tensor, a tensor one rank of a ZeRO
+    partition holds whole would be planned on every rank (test_integ_load_flat)."""
     from dcp_load._derive import derive_entry
 
     whole = Flat(torch.zeros(12), (3, 4), 0)
-    entry = derive_entry(whole, "w", (3, 4), "float32", 0, 4, [((0, 0), (3, 4))], 1)
-    assert entry is not None and entry.layout == ("plain",)
+    assert derive_entry(whole, "w", (3, 4), "float32", 0, 4, [((0, 0), (3, 4))], 1) is None
     part = Flat(torch.zeros(5), (3, 4), 2)
     assert derive_entry(part, "w", (3, 4), "float32", 0, 4, [((0, 2), (1, 2))], 1) is None
 
@@ -277,3 +300,65 @@ def test_overlapping_destinations_are_refused_before_any_write(tmp_path):
     buf2 = _poison(16, torch.float32)
     load({"a": Flat(buf2[:8], (4, 4), 0), "b": Flat(buf2[8:], (4, 4), 8)}, checkpoint_id=str(tmp_path), no_dist=True)
     assert torch.equal(buf2, a.reshape(-1))
+
+
+@pytest.mark.parametrize("kw", [{"start": 2.5}, {"start": True}, {"start": torch.tensor(2.7)}, {"start": "2"},
+                                {"global_shape": (3.7, 4)}, {"global_shape": "34"}, {"global_shape": (True, 4)},
+                                {"numel": 2.5}, {"local_start": 1.5}])
+def test_non_integer_arguments_are_refused_not_truncated(kw):
+    """A float start of 2.5 used to become 2 and global_shape "34" (3, 4): a silent wrong interval."""
+    args = {"tensor": torch.zeros(4), "global_shape": (3, 4), "start": 2, **kw}
+    name = next(iter(kw))
+    with pytest.raises(TypeError, match=rf"Flat: {name} .*{type(kw[name]).__name__}"):
+        Flat(**args)
+
+
+def test_integer_like_arguments_are_taken():
+    import numpy as np
+
+    f = Flat(torch.zeros(4), torch.Size([3, 4]), np.int64(2), numel=torch.tensor(3), local_start=np.int32(1))
+    assert (f.global_shape, f.start, f.numel, f.local_start) == ((3, 4), 2, 3, 1)
+    assert type(f.start) is int and all(type(s) is int for s in f.global_shape)
+
+
+def test_negative_global_shape_is_named():
+    with pytest.raises(ValueError, match=r"global_shape \(-3, -4\) has a negative size"):
+        Flat(torch.zeros(4), [-3, -4], 0)
+
+
+def test_flat_views_refuses_bad_shapes_offsets_and_duplicates():
+    # A negative size used to shift every later tensor silently: b became [1, 4) of itself.
+    with pytest.raises(ValueError, match=r"flat_views: 'a' has shape \(-1,\)"):
+        flat_views([("a", (-1,)), ("b", (4,))], torch.zeros(3), 0)
+    # A repeated name the buffer touches once used to pass: ranks disagreed on its place.
+    with pytest.raises(ValueError, match=r"flat_views: 'a' appears twice"):
+        flat_views([("a", (4,)), ("a", (4,))], torch.zeros(4), 4)
+    with pytest.raises(TypeError, match=r"flat_views: offset must be an int, got 2.5"):
+        flat_views([("a", (4,)), ("b", (4,))], torch.zeros(2), 2.5)
+    with pytest.raises(TypeError, match=r"flat_views: 'a' has shape 4; give a sequence of ints"):
+        flat_views([("a", 4)], torch.zeros(2), 0)
+
+
+def test_a_flat_over_a_non_tensor_is_refused_when_made():
+    """An array used to pass until load, which then named neither the key nor Flat."""
+    import numpy as np
+
+    with pytest.raises(TypeError, match="Flat.tensor must be a torch or MindSpore tensor, got ndarray"):
+        Flat(np.zeros(4, dtype=np.float32), (3, 4), 2)
+
+
+def test_flats_on_meta_are_refused_as_meta_not_as_overlapping(tmp_path):
+    """Every meta tensor has address 0: two meta Flats used to be reported overlapping too."""
+    _write(str(tmp_path), {"a": (_full((3, 4)), (1, 1)), "b": (_full((3, 4)), (1, 1))})
+    state = {k: Flat(torch.empty(4, device="meta"), (3, 4), 2) for k in ("a", "b")}
+    with pytest.raises(Exception, match="on the 'meta' device") as info:
+        load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert "overlap" not in str(info.value)
+
+
+def test_a_local_start_past_the_tensor_is_named():
+    """It used to be reported as the interval [0, -2) not fitting the global shape."""
+    with pytest.raises(ValueError, match=r"local_start=6, numel=-2 do not fit in the tensor of 4 element"):
+        Flat(torch.zeros(4), (3, 4), 0, local_start=6)
+    with pytest.raises(ValueError, match=r"local_start=0, numel=-1 do not fit .* both must be >= 0"):
+        Flat(torch.zeros(4), (3, 4), 0, numel=-1)

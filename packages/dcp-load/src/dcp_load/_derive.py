@@ -12,9 +12,9 @@ when every rank of the job holds it (the digest exchange checks that, ``_digest`
 way: each shard coordinate's rows come from ``_targets.boxes_at`` (torch's own per-placement
 step), and a coordinate whose rows are not contiguous holds several boxes.
 
-Entries that cannot be derived (``Chunk`` annotations, ``Flat`` intervals other than the
-whole tensor, MindSpore tensors, placements other than ``Shard``/``_StridedShard``/
-``Replicate``) make the whole load use the gathered wants.
+Entries that cannot be derived (``Chunk`` annotations, ``Flat`` intervals, MindSpore
+tensors, placements other than ``Shard``/``_StridedShard``/``Replicate``) make the whole
+load use the gathered wants.
 """
 
 from __future__ import annotations
@@ -125,10 +125,11 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
     from ._state import Chunk, Flat
     from ._targets import _is_dtensor
 
-    if isinstance(value, Flat):  # a whole-tensor interval is a plain tensor; any other is gathered
-        if not value.whole:
-            return None
-        value = value.tensor
+    if isinstance(value, Flat):
+        # Even a whole-tensor interval says nothing of the other ranks: a ZeRO partition cut at
+        # tensor edges holds a tensor whole on one rank and not at all on the others, whereas
+        # a plain tensor is derived as held by every rank.
+        return None
     if isinstance(value, Chunk) or (type(value).__module__ or "").split(".", 1)[0] != "torch":
         return None
     if not _is_dtensor(value):

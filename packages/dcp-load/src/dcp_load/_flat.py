@@ -14,6 +14,8 @@ This module imports no framework and nothing else of ``dcp_load``: ``_state`` im
 from __future__ import annotations
 
 import math
+import operator
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +27,37 @@ FlatBox = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
 def _numel_of(tensor: Any) -> int:
-    shape = getattr(tensor, "shape", None)
-    if shape is None:
+    # By type, as ``_targets`` decides (MindSpore's Parameter reports module ``abc``); a
+    # framework not yet imported cannot have made ``tensor``.
+    kinds = tuple(t for t in (getattr(sys.modules.get(m), "Tensor", None) for m in ("torch", "mindspore"))
+                  if isinstance(t, type))
+    if not isinstance(tensor, kinds):
         raise TypeError(f"Flat.tensor must be a torch or MindSpore tensor, got {type(tensor).__qualname__}")
-    return math.prod(int(s) for s in shape)
+    return math.prod(int(s) for s in tensor.shape)
+
+
+def _index(value: Any) -> int:
+    """``value`` as an int when it is one (Python, NumPy or a 0-dim integer tensor); a
+    ``TypeError`` for anything ``int()`` would truncate or parse (2.5, "2") and for bools."""
+    if isinstance(value, (bool, str, bytes)) or "bool" in str(getattr(value, "dtype", "")):
+        raise TypeError(f"not an int: {value!r}")
+    return operator.index(value)
+
+
+def _int(what: str, value: Any) -> int:
+    try:
+        return _index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _shape(what: str, value: Any) -> tuple[int, ...]:
+    try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError("a string")
+        return tuple(_index(s) for s in value)
+    except TypeError:
+        raise TypeError(f"{what} must be a sequence of ints, got {value!r} ({type(value).__name__})") from None
 
 
 def _is_contiguous(tensor: Any) -> bool:
@@ -56,29 +85,28 @@ class Flat:
     numel: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        try:
-            shape = tuple(int(s) for s in self.global_shape)
-            start, local_start = int(self.start), int(self.local_start)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"Flat: global_shape must be a sequence of ints and start an int, got "
-                            f"global_shape={self.global_shape!r}, start={self.start!r}") from exc
+        shape = _shape("Flat: global_shape", self.global_shape)
+        start, local_start = _int("Flat: start", self.start), _int("Flat: local_start", self.local_start)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"Flat: global_shape {shape} has a negative size; give the global tensor's shape")
         if "torch.distributed.tensor" in type(self.tensor).__module__:
             raise TypeError("Flat.tensor is a DTensor; pass its local tensor (DTensor.to_local()) holding the "
                             "interval, or load the DTensor itself")
         held = _numel_of(self.tensor)
-        numel = held - local_start if self.numel is None else int(self.numel)
+        numel = held - local_start if self.numel is None else _int("Flat: numel", self.numel)
         object.__setattr__(self, "global_shape", shape)
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "local_start", local_start)
         object.__setattr__(self, "numel", numel)
+        if local_start < 0 or numel < 0 or local_start + numel > held:  # first: numel may follow from it
+            raise ValueError(f"Flat: local_start={local_start}, numel={numel} do not fit in the tensor of "
+                             f"{held} element(s) (shape {tuple(int(s) for s in self.tensor.shape)}); both must "
+                             f"be >= 0 and local_start + numel <= {held}")
         total = math.prod(shape)
-        if any(s < 0 for s in shape) or start < 0 or numel < 0 or start + numel > total:
+        if start < 0 or start + numel > total:
             raise ValueError(f"Flat: the interval [start, start + numel) = [{start}, {start + numel}) does not fit "
                              f"in global_shape {shape}, which has {total} element(s); start must be >= 0 and "
                              f"start + numel <= {total}")
-        if local_start < 0 or local_start + numel > held:
-            raise ValueError(f"Flat: local_start={local_start}, numel={numel} do not fit in the tensor of "
-                             f"{held} element(s) (shape {tuple(int(s) for s in self.tensor.shape)})")
         if not _is_contiguous(self.tensor):
             raise ValueError(f"Flat: the tensor of shape {tuple(int(s) for s in self.tensor.shape)} is not "
                              "contiguous, so its elements are not one run of memory; pass tensor.contiguous() "
@@ -148,12 +176,13 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
     ``shapes``: the space's tensors in order, as ``(name, shape)`` pairs (or a mapping in
     order): tensor ``k`` occupies the elements after tensor ``k - 1``'s. ``buffer``: this
     rank's contiguous tensor, holding elements ``[offset, offset + buffer.numel())`` of the
-    space. Tensors the buffer does not touch are left out. A torch buffer gives 1-D slices
+    space. Tensors the buffer does not touch are left out; one of no element is kept by the
+    buffers whose interval holds its position (ends included). A torch buffer gives 1-D slices
     of it; a MindSpore buffer gives ``Flat``s over the whole buffer with ``local_start``
     and ``numel`` (its slices do not write through on the CPU).
     """
     items = list(shapes.items()) if isinstance(shapes, Mapping) else list(shapes)
-    offset = int(offset)
+    offset = _int("flat_views: offset", offset)
     size = _numel_of(buffer)
     if offset < 0:
         raise ValueError(f"flat_views: offset must be >= 0, got {offset}")
@@ -164,13 +193,22 @@ def flat_views(shapes: Sequence[tuple[str, Sequence[int]]] | Mapping[str, Sequen
     flat = buffer.reshape(-1) if torch_buffer else buffer
     out: dict[str, Flat] = {}
     begin = 0
+    seen: set[Any] = set()
     for name, shape in items:
-        shape = tuple(int(s) for s in shape)
+        try:
+            shape = _shape("", shape)
+        except TypeError:
+            raise TypeError(f"flat_views: {name!r} has shape {shape!r}; give a sequence of ints") from None
+        if any(s < 0 for s in shape):  # it would shift every later tensor of the space
+            raise ValueError(f"flat_views: {name!r} has shape {shape}, with a negative size")
+        if name in seen:  # even where the buffer touches one of them: ranks would disagree on its place
+            raise ValueError(f"flat_views: {name!r} appears twice in shapes")
+        seen.add(name)
         end = begin + math.prod(shape)
         lo, hi = max(begin, offset), min(end, offset + size)
-        if hi > lo:
-            if name in out:
-                raise ValueError(f"flat_views: {name!r} appears twice in shapes")
+        # A tensor of no element sits at the point ``begin``: the buffers around it name it,
+        # so that ``save`` writes it and ``load`` checks it.
+        if hi > lo or (begin == end and offset <= begin <= offset + size):
             if torch_buffer:
                 out[name] = Flat(flat[lo - offset:hi - offset], shape, lo - begin)
             else:

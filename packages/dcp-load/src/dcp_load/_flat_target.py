@@ -74,6 +74,8 @@ def _span(target: Target) -> tuple[Any, int, int] | None:
     when it writes nothing or its framework gives no address."""
     local = target.local
     if target.adapter.name == "torch":
+        if local.device.type == "meta":
+            return None  # no memory (every address is 0): refused as meta by ``check_targets``
         itemsize, device = local.element_size(), (local.device.type, local.device.index)
         if isinstance(target, FlatTarget):
             n = sum(b.numel for b in target.boxes)

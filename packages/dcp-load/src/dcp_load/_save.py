@@ -75,7 +75,8 @@ def _layout(gathered: list[Any], save_id: str) -> tuple[dict[str, Any], dict[int
                     f"{name!r}: this rank holds global shape {shape} {dtype}, a lower rank {seen[0]} {seen[1]}; "
                     "every rank must agree on a tensor's global shape and dtype")
                 continue
-            boxes.setdefault((name, offsets, sizes), []).append(rank)
+            if offsets is not None:
+                boxes.setdefault((name, offsets, sizes), []).append(rank)
     itemsize = {n: TensorMeta(n, shape, dtype, ()).itemsize for n, (shape, dtype) in info.items()}
     items = [ReadItem(n, 0, o, s, _numel(s) * itemsize[n], tuple(r)) for (n, o, s), r in boxes.items()]
     items.sort(key=lambda i: (-i.nbytes, i.name, i.offsets))
@@ -87,9 +88,8 @@ def _layout(gathered: list[Any], save_id: str) -> tuple[dict[str, Any], dict[int
         chunks.setdefault(item.name, []).append(
             ChunkMeta(item.offsets, item.sizes, data_file_name(w, save_id), chunk_key(item.name, item.offsets)))
     tensors = {}
-    for name, cs in chunks.items():
-        shape, dtype = info[name]
-        tensors[name] = TensorMeta(name, shape, dtype, tuple(sorted(cs, key=lambda c: c.offsets)))
+    for name, (shape, dtype) in info.items():  # a name no rank holds a box of has no chunk: a gap
+        tensors[name] = TensorMeta(name, shape, dtype, tuple(sorted(chunks.get(name, ()), key=lambda c: c.offsets)))
     return tensors, per_rank, errors
 
 
@@ -149,6 +149,8 @@ def _hold(leaves: list[Any], errors: list[str]) -> tuple[list[Any], dict[str, An
                 t = target_for(leaf)
                 targets[t.name] = t
                 holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)
+                if not t.boxes:  # an empty Flat interval still names its tensor (``_layout``)
+                    holdings.append((t.name, None, None, t.dtype, t.global_shape))
             else:
                 values[leaf.name] = leaf.value
         errors.extend(check_overlaps(list(targets.values())))  # a Flat sharing bytes with another entry
