@@ -192,6 +192,18 @@ def test_placeholders_match_one_segment_and_are_enumerated_from_the_checkpoint()
     assert m.enumerate(saved) == {"a.0.b": Concat(["x.0.p", "x.0.q"]), "c.7.7": "y.7"}
 
 
+
+def test_a_segment_of_two_placeholders_loads_the_source_that_match_names(tmp_path):
+    """``{a}_{b}.w`` matches ``p_q_r.w`` as a=p_q, b=r (the match names 'p_q.r'); the
+    checkpoint's 'p.q_r' also gives that name (a=p, b=q_r) and must not be what is loaded."""
+    save_file({"p.q_r": torch.zeros(2), "p_q.r": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    sources = {"{a}_{b}.w": "{a}.{b}"}
+    assert SourceMap(sources).match("p_q_r.w") == ("{a}_{b}.w", "p_q.r")
+    assert SourceMap(sources).enumerate({"p.q_r": 0, "p_q.r": 0}) == {"p_q_r.w": "p_q.r"}
+    state = {"p_q_r.w": torch.full((2,), float("nan"))}
+    dcp_load.load(state, checkpoint_id=tmp_path, no_dist=True, sources=sources)
+    assert state["p_q_r.w"].tolist() == [1.0, 1.0]
+
 @pytest.mark.parametrize("sources, match", [
     ({"a.{i}": "b"}, r"placeholder\(s\) \{i\} of the key appear in no source name"),
     ({"a": "b.{i}"}, r"uses placeholder\(s\) \{i\} that the key lacks"),

@@ -189,10 +189,12 @@ class SourceMap:
         checkpoint and ``sources``: every rank derives the same names, whatever it holds.
         The first entry wins a name two entries give (a destination holding it is refused)."""
         out: dict[str, Any] = {}
-        for key, _, names, source in self.entries:
+        for key, regex, names, source in self.entries:
             for binding in _bindings(leaves(source), names, saved):
                 dest = _PLACEHOLDER.sub(lambda m, b=binding: b[m.group(1)], key)
-                if dest not in out:
+                # two placeholders in one segment can split a name two ways: keep only the
+                # binding ``match`` gives the name, so the tensor loaded is the one it names
+                if dest not in out and regex.fullmatch(dest).groupdict() == binding:
                     out[dest] = _substitute(source, binding)
         return out
 
