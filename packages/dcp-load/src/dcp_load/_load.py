@@ -164,9 +164,13 @@ def load(
     """
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
-    source_map = SourceMap(sources) if sources is not None else None
     wait_s = timeout_seconds(timeout)
     errors: list[str] = []
+    source_map = None
+    try:
+        source_map = SourceMap(sources) if sources is not None else None
+    except (TypeError, ValueError) as exc:  # through the exchange: a stage's own sources= may be bad alone
+        errors.append(f"{type(exc).__name__}: {exc}")
     try:
         leaves = flatten_state_dict(state_dict)
     except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
