@@ -335,3 +335,12 @@ def test_a_sources_key_matching_a_non_tensor_value_is_refused(hf):
         dcp_load.load(state, checkpoint_id=path, no_dist=True, sources={"w": "model.embed_tokens.weight",
                                                                        "step": "model.embed_tokens.weight"})
     assert bool((state["w"] == -7.0).all()) and state["step"] == 3
+
+
+def test_a_source_naming_a_non_tensor_value_of_the_checkpoint_says_so(tmp_path):
+    dcp_load.save({"a": torch.ones(2), "step": 5}, checkpoint_id=tmp_path, no_dist=True)
+    state = {"w": torch.full((2,), -7.0)}
+    with pytest.raises(LoadError, match=r"destination 'w' \(sources\['w'\]\): source\(s\) 'step' of 'step' are "
+                                        r"not tensors of the checkpoint; 'step' is a non-tensor value there"):
+        dcp_load.load(state, checkpoint_id=tmp_path, no_dist=True, sources={"w": "step"})
+    assert state["w"].tolist() == [-7.0, -7.0]

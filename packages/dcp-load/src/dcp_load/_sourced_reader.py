@@ -249,7 +249,7 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
             if not strict and any(n not in saved for n in leaves(source)):
                 missing.append(t.name)  # listed in the report like any key the checkpoint lacks
             else:
-                errors.append(_compose_error(where, source, saved))
+                errors.append(_compose_error(where, source, saved, getattr(reader.metadata, "values", ())))
             continue
         if tuple(meta.shape) != tuple(t.global_shape):
             errors.append(_shape_error(where, source, tuple(meta.shape), tuple(t.global_shape)))
@@ -271,12 +271,14 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
                    missing)
 
 
-def _compose_error(where: str, source: Any, saved: Mapping[str, Any]) -> str:
+def _compose_error(where: str, source: Any, saved: Mapping[str, Any], checkpoint_values: Any = ()) -> str:
     """Why ``source`` cannot be composed (a missing part with the nearest saved names, or
     parts that do not fit)."""
     missing = [n for n in dict.fromkeys(leaves(source)) if n not in saved]
     if missing:
-        advice = missing_advice(missing, list(saved))
+        values = [n for n in missing if n in checkpoint_values]
+        advice = (f"{', '.join(repr(n) for n in values[:5])} {'is a non-tensor value' if len(values) == 1 else 'are non-tensor values'} "
+                  "there; sources= composes tensors only") if values else missing_advice(missing, list(saved))
         return (f"{where}: source(s) {', '.join(repr(n) for n in missing[:5])}"
                 f"{' ...' if len(missing) > 5 else ''} of {describe(source)} are not tensors of the checkpoint"
                 f"{'; ' + advice if advice else ''}")
