@@ -362,3 +362,19 @@ def test_a_rename_per_key_matches_in_time_linear_in_the_keys():
     both = SourceMap({"extra.3.w": "a", "extra.{i}.w": "b.{i}"})
     with pytest.raises(ValueError, match=r"matches 2 sources entries \('extra.3.w', 'extra.\{i\}.w'\)"):
         both.match("extra.3.w")
+
+
+@pytest.mark.parametrize("parts, kw, match", [
+    (["c", "a"], {"allow_dtype_cast": False},
+     r"part 'c' is bfloat16 but the destination is float32 \(allow_dtype_cast=False refuses casts\)"),
+    (["z", "a"], {}, r"part 'z' is complex64 but the destination is float32 \(complex and real do not mix\)"),
+])
+def test_a_first_part_that_cannot_be_cast_is_named_like_the_others(tmp_path, parts, kw, match):
+    """The composed tensor takes its first part's dtype: that part's refusal named only the
+    destination ("checkpoint bfloat16"), where a later part's named the part."""
+    save_file({"a": torch.randn(2, 3), "c": torch.randn(4, 3).bfloat16(), "z": torch.randn(4, 3).to(torch.complex64)},
+              str(tmp_path / "model.safetensors"))
+    state = {"w": torch.full((6, 3), -7.0)}
+    with pytest.raises(LoadError, match=r"destination 'w' \(sources\['w'\]\): " + match):
+        dcp_load.load(state, checkpoint_id=tmp_path, no_dist=True, sources={"w": Concat(parts)}, **kw)
+    assert bool((state["w"] == -7.0).all())

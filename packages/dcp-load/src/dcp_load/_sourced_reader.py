@@ -181,15 +181,16 @@ def _shape_error(where: str, source: Any, shape: tuple[int, ...], wanted: tuple[
 
 def _dtype_errors(where: str, source: Any, target: Target, saved: Mapping[str, Any], nominal: str,
                   allow_cast: bool) -> tuple[list[str], bool]:
-    """Parts whose dtype differs from the composed tensor's (its first part's): each must be
-    castable to the destination as ``check_dtypes`` rules. (errors, cast needed)."""
+    """Parts whose dtype differs from the destination's: each must be castable to it as
+    ``check_dtypes`` rules, each refusal naming its part (the first part's too, whose dtype
+    the composed tensor takes). (errors, cast needed beyond the composed tensor's own)."""
     errors, cast = [], False
     for part in dict.fromkeys(leaves(source)):
         dtype = saved[part].dtype
-        if dtype == nominal or dtype == target.dtype:
+        if dtype == target.dtype:
             continue
         if allow_cast and dtype.startswith("complex") == target.dtype.startswith("complex"):
-            cast = True
+            cast = cast or dtype != nominal
         else:
             why = "allow_dtype_cast=False refuses casts" if not allow_cast else "complex and real do not mix"
             errors.append(f"{where}: part {part!r} is {dtype} but the destination is {target.dtype} ({why}); "
