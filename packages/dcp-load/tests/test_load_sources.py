@@ -378,3 +378,16 @@ def test_a_first_part_that_cannot_be_cast_is_named_like_the_others(tmp_path, par
     with pytest.raises(LoadError, match=r"destination 'w' \(sources\['w'\]\): " + match):
         dcp_load.load(state, checkpoint_id=tmp_path, no_dist=True, sources={"w": Concat(parts)}, **kw)
     assert bool((state["w"] == -7.0).all())
+
+
+def test_strict_false_a_tied_key_whose_source_is_missing_is_filled_through_its_alias(tmp_path):
+    """Keys ``tok`` and ``out`` hold one tensor; ``tok``'s source is missing, ``out``'s is
+    saved. strict=False loads ``out``, which writes ``tok`` too: the report lists ``tok``
+    as tied through ``out``, not as missing with its values kept."""
+    emb = torch.randn(10, 4)
+    save_file({"model.embed_tokens.weight": emb}, str(tmp_path / "model.safetensors"))
+    t = torch.full((10, 4), -7.0)
+    report = dcp_load.load({"tok": t, "out": t}, checkpoint_id=tmp_path, no_dist=True, strict=False,
+                           sources={"tok": "model.missing", "out": "model.embed_tokens.weight"})
+    assert torch.equal(t, emb)
+    assert report.missing == () and report.tied == (("tok", "out"),) and dict(report.composed) == {"out": 1}

@@ -281,6 +281,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
             prep.owned = True
         cast: list[str] = []
         skipped: list[str] = []
+        through: list[tuple[str, str]] = []  # skipped by strict=False, filled through a tied key
         if source_map is not None:  # composed destinations become virtual tensors of the reader
             from ._sourced_reader import apply_sources
 
@@ -288,9 +289,10 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
                                     values=[leaf.name for leaf in prep.values])
             errors.extend(applied.errors)
             prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
-            cast, skipped = applied.cast, applied.missing
+            cast, skipped, through = applied.cast, applied.missing, applied.tied
         metadata = prep.reader.metadata
         errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
+        prep.tied += through
         errors.extend(errs)
         errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
         prep.missing += skipped

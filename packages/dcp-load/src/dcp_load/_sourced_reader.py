@@ -203,7 +203,9 @@ class Applied:
     """What ``apply_sources`` found on this rank: ``errors``; the wrapped ``reader``; the
     ``targets`` to load; ``composed``: (destination, number of saved tensors it reads);
     ``cast``: destinations cast because a part's dtype differs from the composed tensor's;
-    ``missing``: destinations skipped (``strict=False``) because a source is missing."""
+    ``missing``: destinations skipped (``strict=False``) because a source is missing;
+    ``tied``: (key, key) of such a skipped destination that shares its memory with one
+    that loads, and so is filled through it."""
 
     errors: list[str]
     reader: SourcedReader
@@ -211,6 +213,7 @@ class Applied:
     composed: list[tuple[str, int]]
     cast: list[str]
     missing: list[str]
+    tied: list[tuple[str, str]]
 
 
 def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool,
@@ -265,11 +268,27 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
         composed.append((t.name, len(set(leaves(source)))))
     logger.debug("sources: %d virtual tensor(s) from the checkpoint, %d destination(s) of this rank composed",
                  len(virtual), len(composed))
+    missing, tied = _through_aliases(missing, targets, keep)
     if missing:
         logger.warning("strict=False: %d destination(s) whose sources the checkpoint lacks keep their current "
                        "values: %s", len(missing), ", ".join(repr(n) for n in missing[:5]))
     return Applied(errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast,
-                   missing)
+                   missing, tied)
+
+
+def _through_aliases(missing: list[str], targets: Sequence[Target], keep: Sequence[Target]
+                     ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(still missing, (key, key it is filled through)): a skipped destination that shares
+    its memory with a destination that loads (tied weights) is written all the same."""
+    from ._aliases import alias_key
+
+    loaded = {}
+    for t in keep:
+        loaded.setdefault(alias_key(t), t.name)
+    loaded.pop(None, None)
+    skipped = {t.name: alias_key(t) for t in targets if t.name in missing}
+    tied = [(n, loaded[skipped[n]]) for n in missing if skipped[n] in loaded]
+    return [n for n in missing if skipped[n] not in loaded], tied
 
 
 def _compose_error(where: str, source: Any, saved: Mapping[str, Any], checkpoint_values: Any = ()) -> str:
