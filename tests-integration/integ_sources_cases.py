@@ -237,3 +237,21 @@ def _failing_cases(rank: int, mesh: Any, path: str) -> dict[str, Any]:
                             for v in state.values())
             out[case] = (str(exc), untouched)
     return out
+
+
+def bad_argument_case(rank: int, world: int, path: str) -> tuple[str, bool, float]:
+    """Rank 1 passes a ``sources=`` whose key has a placeholder no source name uses; every
+    rank must raise ``LoadError`` naming it at once (not wait out the arrival timeout)."""
+    import time
+
+    import dcp_load
+
+    sources = {"w.{i}": "model.norm.weight"} if rank == 1 else {"w": "model.norm.weight"}
+    state = {"w": torch.full((D,), -7.0)}
+    start = time.monotonic()
+    try:
+        dcp_load.load(state, checkpoint_id=path, sources=sources, timeout=60)
+        message = "no error"
+    except dcp_load.LoadError as exc:
+        message = str(exc)
+    return message, bool(state["w"].eq(-7.0).all()), time.monotonic() - start

@@ -55,3 +55,11 @@ def test_hf_into_fused_layouts_and_back_read_once(tmp_path):
         message, untouched = r["errors"]["missing_on_rank0"]
         assert untouched and "rank 0: destination 'extra.0' (sources['extra.{i}']): source(s) " \
             "'model.layers.0.self_attn.q_proj.weigth'" in message and "nearest checkpoint keys" in message, message
+
+
+def test_a_bad_sources_argument_on_one_rank_fails_every_rank_at_once(tmp_path):
+    cases.write_hf(str(tmp_path), {"model.norm.weight": cases._rand("norm", cases.D)})
+    for message, untouched, seconds in run_ranks(cases.bad_argument_case, 2, str(tmp_path), timeout=180):
+        assert untouched and seconds < 30, (message, seconds)
+        assert "rank 1: ValueError: load: sources['w.{i}']: placeholder(s) {i} of the key appear in no source " \
+            "name of 'model.norm.weight'" in message, message

@@ -169,9 +169,13 @@ def load(
     """
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
-    source_map = SourceMap(sources) if sources is not None else None
     wait_s = timeout_seconds(timeout)
     errors: list[str] = []
+    source_map = None
+    try:
+        source_map = SourceMap(sources) if sources is not None else None
+    except (TypeError, ValueError) as exc:  # through the exchange: a stage's own sources= may be bad alone
+        errors.append(f"{type(exc).__name__}: {exc}")
     try:
         leaves = flatten_state_dict(state_dict)
     except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
@@ -283,6 +287,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
             prep.owned = True
         cast: list[str] = []
         skipped: list[str] = []
+        through: list[tuple[str, str]] = []  # skipped by strict=False, filled through a tied key
         if source_map is not None:  # composed destinations become virtual tensors of the reader
             from ._sourced_reader import apply_sources
 
@@ -290,9 +295,10 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
                                     values=[leaf.name for leaf in prep.values])
             errors.extend(applied.errors)
             prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
-            cast, skipped = applied.cast, applied.missing
+            cast, skipped, through = applied.cast, applied.missing, applied.tied
         metadata = prep.reader.metadata
         errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
+        prep.tied += through
         errors.extend(errs)
         errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
         prep.missing += skipped

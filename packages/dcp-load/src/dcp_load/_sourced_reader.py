@@ -181,15 +181,16 @@ def _shape_error(where: str, source: Any, shape: tuple[int, ...], wanted: tuple[
 
 def _dtype_errors(where: str, source: Any, target: Target, saved: Mapping[str, Any], nominal: str,
                   allow_cast: bool) -> tuple[list[str], bool]:
-    """Parts whose dtype differs from the composed tensor's (its first part's): each must be
-    castable to the destination as ``check_dtypes`` rules. (errors, cast needed)."""
+    """Parts whose dtype differs from the destination's: each must be castable to it as
+    ``check_dtypes`` rules, each refusal naming its part (the first part's too, whose dtype
+    the composed tensor takes). (errors, cast needed beyond the composed tensor's own)."""
     errors, cast = [], False
     for part in dict.fromkeys(leaves(source)):
         dtype = saved[part].dtype
-        if dtype == nominal or dtype == target.dtype:
+        if dtype == target.dtype:
             continue
         if allow_cast and dtype.startswith("complex") == target.dtype.startswith("complex"):
-            cast = True
+            cast = cast or dtype != nominal
         else:
             why = "allow_dtype_cast=False refuses casts" if not allow_cast else "complex and real do not mix"
             errors.append(f"{where}: part {part!r} is {dtype} but the destination is {target.dtype} ({why}); "
@@ -202,7 +203,9 @@ class Applied:
     """What ``apply_sources`` found on this rank: ``errors``; the wrapped ``reader``; the
     ``targets`` to load; ``composed``: (destination, number of saved tensors it reads);
     ``cast``: destinations cast because a part's dtype differs from the composed tensor's;
-    ``missing``: destinations skipped (``strict=False``) because a source is missing."""
+    ``missing``: destinations skipped (``strict=False``) because a source is missing;
+    ``tied``: (key, key) of such a skipped destination that shares its memory with one
+    that loads, and so is filled through it."""
 
     errors: list[str]
     reader: SourcedReader
@@ -210,6 +213,7 @@ class Applied:
     composed: list[tuple[str, int]]
     cast: list[str]
     missing: list[str]
+    tied: list[tuple[str, str]]
 
 
 def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool,
@@ -249,7 +253,7 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
             if not strict and any(n not in saved for n in leaves(source)):
                 missing.append(t.name)  # listed in the report like any key the checkpoint lacks
             else:
-                errors.append(_compose_error(where, source, saved))
+                errors.append(_compose_error(where, source, saved, getattr(reader.metadata, "values", ())))
             continue
         if tuple(meta.shape) != tuple(t.global_shape):
             errors.append(_shape_error(where, source, tuple(meta.shape), tuple(t.global_shape)))
@@ -264,19 +268,37 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
         composed.append((t.name, len(set(leaves(source)))))
     logger.debug("sources: %d virtual tensor(s) from the checkpoint, %d destination(s) of this rank composed",
                  len(virtual), len(composed))
+    missing, tied = _through_aliases(missing, targets, keep)
     if missing:
         logger.warning("strict=False: %d destination(s) whose sources the checkpoint lacks keep their current "
                        "values: %s", len(missing), ", ".join(repr(n) for n in missing[:5]))
     return Applied(errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast,
-                   missing)
+                   missing, tied)
 
 
-def _compose_error(where: str, source: Any, saved: Mapping[str, Any]) -> str:
+def _through_aliases(missing: list[str], targets: Sequence[Target], keep: Sequence[Target]
+                     ) -> tuple[list[str], list[tuple[str, str]]]:
+    """(still missing, (key, key it is filled through)): a skipped destination that shares
+    its memory with a destination that loads (tied weights) is written all the same."""
+    from ._aliases import alias_key
+
+    loaded = {}
+    for t in keep:
+        loaded.setdefault(alias_key(t), t.name)
+    loaded.pop(None, None)
+    skipped = {t.name: alias_key(t) for t in targets if t.name in missing}
+    tied = [(n, loaded[skipped[n]]) for n in missing if skipped[n] in loaded]
+    return [n for n in missing if skipped[n] not in loaded], tied
+
+
+def _compose_error(where: str, source: Any, saved: Mapping[str, Any], checkpoint_values: Any = ()) -> str:
     """Why ``source`` cannot be composed (a missing part with the nearest saved names, or
     parts that do not fit)."""
     missing = [n for n in dict.fromkeys(leaves(source)) if n not in saved]
     if missing:
-        advice = missing_advice(missing, list(saved))
+        values = [n for n in missing if n in checkpoint_values]
+        advice = (f"{', '.join(repr(n) for n in values[:5])} {'is a non-tensor value' if len(values) == 1 else 'are non-tensor values'} "
+                  "there; sources= composes tensors only") if values else missing_advice(missing, list(saved))
         return (f"{where}: source(s) {', '.join(repr(n) for n in missing[:5])}"
                 f"{' ...' if len(missing) > 5 else ''} of {describe(source)} are not tensors of the checkpoint"
                 f"{'; ' + advice if advice else ''}")

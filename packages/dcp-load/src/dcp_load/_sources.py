@@ -129,9 +129,12 @@ def _substitute(source: Any, binding: Mapping[str, str]) -> Any:
     return Concat(parts, source.dim, source.groups) if isinstance(source, Concat) else Stack(parts, source.dim)
 
 
-def _pattern(template: str) -> tuple[re.Pattern[str], tuple[str, ...]]:
+def _pattern(template: str) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
     """A regex matching names of ``template`` (each ``{p}`` one dot-free segment; a repeated
-    placeholder must repeat its value) and the placeholders in order of appearance."""
+    placeholder must repeat its value) and the placeholders in order of appearance. None
+    for a plain name (compared, not matched: compiling tens of thousands took seconds)."""
+    if "{" not in template or not _PLACEHOLDER.search(template):
+        return None, ()
     out, names, pos = [], [], 0
     for m in _PLACEHOLDER.finditer(template):
         out.append(re.escape(template[pos:m.start()]))
@@ -151,7 +154,11 @@ class SourceMap:
         if not isinstance(sources, Mapping):
             raise TypeError(f"load: sources must be a mapping from destination keys to sources, got "
                             f"{type(sources).__name__}")
-        self.entries: list[tuple[str, re.Pattern[str], tuple[str, ...], Any]] = []
+        self.entries: list[tuple[str, re.Pattern[str] | None, tuple[str, ...], Any]] = []
+        # keys without placeholders are looked up, not matched: a generated mapping of one
+        # rename per key (tens of thousands) must not cost keys x destinations regex matches
+        self.exact: dict[str, int] = {}
+        self.patterned: list[int] = []
         for key, source in sources.items():
             if not isinstance(key, str):
                 raise TypeError(f"load: sources keys must be str destination keys, got {key!r:.80}")
@@ -168,16 +175,22 @@ class SourceMap:
                 raise ValueError(f"load: sources[{key!r}]: placeholder(s) "
                                  f"{', '.join('{' + p + '}' for p in unused)} of the key appear in no source "
                                  f"name of {describe(source)}; use each placeholder in the source's names")
+            if names:
+                self.patterned.append(len(self.entries))
+            else:
+                self.exact[key] = len(self.entries)
             self.entries.append((key, regex, names, source))
 
     def match(self, name: str) -> tuple[str, Any] | None:
         """(entry key, source with placeholders substituted) for destination ``name``, None
         when no entry matches; ValueError when two do."""
         found = []
-        for key, regex, _, source in self.entries:
-            m = regex.fullmatch(name)
-            if m:
-                found.append((key, _substitute(source, m.groupdict())))
+        exact = self.exact.get(name)
+        for i in sorted(([exact] if exact is not None else []) + self.patterned):
+            key, regex, _, source = self.entries[i]
+            m = regex.fullmatch(name) if regex is not None else None
+            if m or regex is None:  # a plain key is only looked up for its own name
+                found.append((key, _substitute(source, m.groupdict() if m else {})))
         if len(found) > 1:
             raise ValueError(f"load: destination {name!r} matches {len(found)} sources entries "
                              f"({', '.join(repr(k) for k, _ in found)}); make the keys match one each")
@@ -189,10 +202,12 @@ class SourceMap:
         checkpoint and ``sources``: every rank derives the same names, whatever it holds.
         The first entry wins a name two entries give (a destination holding it is refused)."""
         out: dict[str, Any] = {}
-        for key, _, names, source in self.entries:
+        for key, regex, names, source in self.entries:
             for binding in _bindings(leaves(source), names, saved):
                 dest = _PLACEHOLDER.sub(lambda m, b=binding: b[m.group(1)], key)
-                if dest not in out:
+                # two placeholders in one segment can split a name two ways: keep only the
+                # binding ``match`` gives the name, so the tensor loaded is the one it names
+                if dest not in out and (regex is None or regex.fullmatch(dest).groupdict() == binding):
                     out[dest] = _substitute(source, binding)
         return out
 
