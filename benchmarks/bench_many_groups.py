@@ -22,11 +22,10 @@ NAMES = [f"w{i}" for i in range(8)]
 
 
 def _ranks(rank: int, world: int, dcp_path: str, torch_path: str, steps: list[int], repeat: int) -> list[Any]:
+    import dcp_load
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
-
-    import dcp_load
 
     made, rows = 0, []
     for target in steps:
@@ -51,10 +50,9 @@ def _ranks(rank: int, world: int, dcp_path: str, torch_path: str, steps: list[in
 
 
 def main() -> None:
+    import dcp_load
     import torch
     import torch.distributed.checkpoint as tdcp
-
-    import dcp_load
     from dcp_platform.testing import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
