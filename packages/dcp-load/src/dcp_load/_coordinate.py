@@ -15,8 +15,8 @@ Every wait of the load goes through the watch:
 * ``check`` (the error check: one fixed-size all-reduce), ``exchange`` (an all-gather,
   where payloads differ per rank) and the broadcasts wait in slices, checking for a
   failure another rank published, and name a dead rank from the heartbeats; a single
-  collective that does not complete within ``timeout`` while every rank is alive (ranks in
-  different collectives) is published and raised too;
+  collective that does not complete within ``timeout`` (at least ``MIN_STALL_S``) while
+  every rank is alive (ranks in different collectives) is published and raised too;
 * leaving on any exception publishes this rank's cause, so that the others raise
   ``LoadError`` within a few seconds instead of waiting in their next collective.
 
@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 #: Default bound on how long the first rank to enter ``load`` waits for the last one,
 #: when there is no default process group to take the timeout from.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+#: The shortest bound on one collective's wait: a bound meant to end a hang (ranks in
+#: different collectives) must not end a slow but healthy collective when ``timeout=`` is
+#: small (a few seconds of arrival wait), since that leaves the process group unusable.
+MIN_STALL_S = 30.0
 
 # Process-wide counts: every load call, and every collective save (module docstring). Every
 # rank counts its own calls; a module-level counter is what lets separate Platform objects
@@ -148,7 +153,7 @@ class Coordinator:
 
             if slot is None:
                 slot = next(_SAVES) if operation == "save" else next_load_slot()
-            self.watch = Watch(platform, f"dcp-{operation}/{slot}", stall_s=timeout)
+            self.watch = Watch(platform, f"dcp-{operation}/{slot}", stall_s=max(timeout, MIN_STALL_S))
 
     def __enter__(self) -> Coordinator:
         if self.watch is not None:

@@ -96,8 +96,8 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
               "other ranks' (open the same checkpoint on every rank)"),
              (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
               f"broadcast_batch_bytes={settings[1]}, broadcast_groups={'given' if settings[2] else 'None'}, "
-              f"planner={'custom' if custom_planner else 'default'}: every rank must pass the same broadcast "
-              "settings"),
+              f"planner={settings[3] if len(settings) > 3 and settings[3] else 'default'}: every rank must pass "
+              "the same broadcast settings"),
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
               "must see the same")]
     decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,

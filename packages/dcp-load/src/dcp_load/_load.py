@@ -245,7 +245,7 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
 def settings_text(settings: tuple[Any, ...]) -> str:
     """The broadcast settings of ``_make_plan`` as a person reads them (in mismatch errors)."""
     return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
-            f"broadcast_groups={'given' if settings[2] else 'None'}")
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
 
 
 def _fallback_platform(exc: Exception) -> Any:
@@ -318,7 +318,9 @@ def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepa
     # The settings that shape the collectives travel with the wants: ranks that differ
     # would walk different broadcast schedules and hang, so they fail together instead.
     # Supplied groups change how groups are made (gathered, not by their members alone).
-    settings = (mode if broadcast else False, batch_bytes, groups is not None)
+    # So does the planner (by class): ranks with different planners make different plans.
+    settings = (mode if broadcast else False, batch_bytes, groups is not None,
+                None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}")
     # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
     plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
