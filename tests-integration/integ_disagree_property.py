@@ -23,7 +23,7 @@ FIELDS: dict[str, tuple[tuple[Any, ...], tuple[float, ...]]] = {
     "source": (("id", "reader"), (3, 1)),
     "mode": ((True, False, "auto"), (2, 1, 1)),
     "batch": ((0, 512, 6 * 1024 * 1024), (1, 1, 2)),
-    "timeout": ((2.0, 5.0, 10.0), (1, 1, 1)),
+    "timeout": ((5.0, 10.0, 20.0), (1, 1, 1)),  # short enough to matter, long enough for 2 busy cores
     "groups": ((False, True), (4, 1)),
     "no_dist": ((False, True), (9, 1)),
     "collectives": ((True, False), (9, 1)),
