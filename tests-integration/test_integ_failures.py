@@ -29,7 +29,9 @@ BOUND_S = 30.0
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("failures")
-    out = {k: str(root / k) for k in ("good", "missing_file", "truncated")}
+    # The copies keep the checkpoint's directory name (a copy on another node): a rank
+    # opening a checkpoint of another name is a different checkpoint (the metadata digest).
+    out = {k: str(root / k / "good") if k != "good" else str(root / k) for k in ("good", "missing_file", "truncated")}
     cases.write(out["good"])
     data = [f for f in os.listdir(out["good"]) if f.endswith(".safetensors")]
     shutil.copytree(out["good"], out["missing_file"])

@@ -30,9 +30,11 @@ def copies(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     if not _io_counts_reads():
         pytest.skip("/proc/self/io read_bytes is not available here: storage reads cannot be counted")
     root = tmp_path_factory.mktemp("read_once")
-    first = str(root / "node0")
+    # Each node's copy keeps the checkpoint's directory name, as on a cluster: a different
+    # name is a different checkpoint (the metadata digest every rank compares).
+    first = str(root / "node0" / "ckpt")
     cases.write_checkpoint(first)
-    second = str(root / "node1")
+    second = str(root / "node1" / "ckpt")
     shutil.copytree(first, second)
     return [first, second]
 

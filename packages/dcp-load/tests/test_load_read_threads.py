@@ -119,3 +119,23 @@ def test_a_corrupt_block_on_two_threads_raises_and_closes_the_sibling(tmp_path, 
         dcp_load.load(_poisoned(state), checkpoint_id=str(tmp_path), no_dist=True)
     assert len(spy.made) == 1
     assert _open_fds() == fds
+
+
+def test_a_load_gives_memory_back_at_most_once_per_interval(tmp_path, monkeypatch):
+    """The reading threads' free arena memory goes back to the system (glibc
+    ``malloc_trim(0)``) at the end of a load, at most once per ``TRIM_EVERY_S``."""
+    import sys
+
+    import dcp_load._execute as ex
+
+    if sys.platform.startswith("linux"):
+        assert ex._malloc_trim() is not None  # glibc here: the function is found
+    calls: list[int] = []
+    monkeypatch.setattr(ex, "_TRIM", [calls.append, -ex.TRIM_EVERY_S])
+    save_file({"w": torch.ones(8, 4)}, str(tmp_path / "model.safetensors"))
+    for _ in range(3):
+        dcp_load.load({"w": torch.zeros(8, 4)}, checkpoint_id=str(tmp_path))
+    assert calls == [0]
+    monkeypatch.setattr(ex, "TRIM_EVERY_S", 0.0)
+    dcp_load.load({"w": torch.zeros(8, 4)}, checkpoint_id=str(tmp_path))
+    assert calls == [0, 0]

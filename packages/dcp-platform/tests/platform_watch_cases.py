@@ -79,3 +79,63 @@ def watch_cases(rank: int, world: int) -> dict[str, Any]:
             w.abort({1: ["boom on rank 1"]})
         out["abort"] = _timed(lambda: w.wait_event(threading.Event()) if rank != 1 else None)
     return out
+
+
+class _TcpStorePlatform(TorchPlatform):
+    """A torch platform whose store is a TCPStore (the harness's default store is a FileStore,
+    and only a TCPStore's expired waits log torch's ``waitForInput`` warnings)."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(device="cpu")
+        self._tcp = store
+
+    def store(self) -> Any:
+        return self._tcp
+
+
+def _stderr_of(fn: Any) -> tuple[Any, str]:
+    """``fn()``'s result (or PeerFailure) and what the process wrote to fd 2 meanwhile."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            got = _timed(fn)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        return got, tmp.read().decode(errors="replace")
+
+
+def quiet_and_stall_cases(rank: int, world: int, port: int) -> dict[str, Any]:
+    """Rank 1 arrives 3 s late (rank 0 logs nothing meanwhile); then, with ``stall_s=1``,
+    rank 0 waits on a broadcast rank 1 joins 4 s late: rank 0 raises after about 1 s."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    p = _TcpStorePlatform(store)
+    out: dict[str, Any] = {}
+    with Watch(p, "t/quiet", **FAST) as w:
+        if rank == 1:
+            time.sleep(3.0)
+        out["arrive"], out["stderr"] = _stderr_of(lambda: w.arrive(30.0))
+    group = dist.new_group(list(range(world)))  # the pending broadcast stays off the default group
+    t = torch.zeros(4)
+    with Watch(p, "t/stall", stall_s=1.0, **FAST) as w:
+        w.arrive(30.0)
+        if rank == 0:
+            handle = p.broadcast(t, 0, group)
+            out["stall"] = _timed(lambda: w.wait(handle))
+            out["interrupted"] = w.interrupted
+            handle.wait()  # rank 1 joins later: leave no collective pending
+        else:
+            time.sleep(4.0)
+            out["stall"] = _timed(lambda: w.check())
+            p.broadcast(t, 0, group).wait()
+    dist.destroy_process_group(group)
+    return out

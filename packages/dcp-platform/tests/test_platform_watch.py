@@ -57,3 +57,24 @@ def test_watch_abort_reaches_every_waiting_rank(results):
             continue
         assert r["abort"]["error"] == {1: ("boom on rank 1",)}
         assert r["abort"]["seconds"] < 2.0
+
+
+def test_waiting_logs_nothing_and_a_stalled_collective_is_bounded():
+    """A TCPStore: while rank 0 waits 3 s for rank 1 to arrive, nothing is written to its
+    stderr (each expired ``store.wait`` slice used to log two ``[c10d] waitForInput``
+    warnings). Then ``stall_s=1``: a broadcast rank 1 joins only after 4 s ends rank 0's
+    wait after about 1 s with its cause published (rank 1 sees it), and the watch reports
+    the collective left unfinished."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    per_rank = run_ranks(cases.quiet_and_stall_cases, 2, port, timeout=120, pg_timeout=600)
+    first = per_rank[0]
+    assert first["arrive"]["error"] is None and first["arrive"]["seconds"] > 2.5, first["arrive"]
+    assert "waitForInput" not in first["stderr"] and first["stderr"].strip() == "", first["stderr"][:2000]
+    stall = first["stall"]
+    assert stall["error"] is not None and 0.9 < stall["seconds"] < 3.0, stall
+    assert "while every rank was alive" in stall["error"][0][0] and first["interrupted"], first
+    assert per_rank[1]["stall"]["error"] == {0: stall["error"][0]}, per_rank[1]

@@ -22,17 +22,33 @@ from ._hosts import host_id
 from ._local_plan import plan_for_rank
 from ._plan import GlobalPlan, HostBlocks, Want
 
-__all__ = ["derived_plan", "ensure_groups", "metadata_digest"]
+__all__ = ["checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest"]
 
 logger = logging.getLogger(__name__)
 
 
-def metadata_digest(tensors: Mapping[str, Any]) -> int:
-    """A hash of what planning reads from the checkpoint metadata (names, shapes, dtypes,
-    chunks and their files; for a chunk composed by ``sources=``, the saved chunk it reads)."""
-    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file),
-                                                         *getattr(c, "origin", ()))
-                                                        for c in t.chunks)) for n, t in sorted(tensors.items())])
+def metadata_digest(tensors: Mapping[str, Any], *, values: Mapping[str, Any] | None = None,
+                    name: str | None = None) -> int:
+    """A hash of the checkpoint as ranks must share it: what planning reads from the
+    metadata (names, shapes, dtypes, chunks and their files; for a chunk composed by
+    ``sources=``, the saved chunk it reads), the chunks' and values' checksums (two saves of one layout differ there), and ``name``, the checkpoint
+    directory's last path component (two checkpoints without checksums, such as Hugging
+    Face files of one model at two steps, differ there; the rest of the path may differ
+    between nodes that mount one checkpoint at different places)."""
+    return digest(name, *[(n, tuple(t.shape), t.dtype,
+                           tuple((tuple(c.offsets), tuple(c.sizes), str(c.file), c.checksum,
+                                  *getattr(c, "origin", ())) for c in t.chunks))
+                          for n, t in sorted(tensors.items())],
+                  *[(n, getattr(v, "checksum", None)) for n, v in sorted((values or {}).items())])
+
+
+def checkpoint_digest(reader: Any) -> int:
+    """``metadata_digest`` of an open ``dcp_reader.CheckpointReader``."""
+    import os
+
+    path = getattr(reader, "path", None)
+    name = os.path.basename(os.path.normpath(os.path.realpath(path))) if path else None
+    return metadata_digest(reader.metadata.tensors, values=reader.metadata.values, name=name)
 
 
 def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
@@ -55,21 +71,23 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
 
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
-                 custom_planner: bool, watch: Any = None) -> GlobalPlan | None:
+                 custom_planner: bool, watch: Any = None, meta_hash: int | None = None) -> GlobalPlan | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
     dict value of each name; ``settings``: what shapes the collectives (compared by hash);
     ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
+    ``meta_hash``: the checkpoint's ``checkpoint_digest`` (default: ``metadata_digest`` of
+    ``tensors``).
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
-    entries, meta_hash = None, 0
+    entries, given, meta_hash = None, meta_hash, 0
     if not failed and not custom_planner:
         try:
             shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
             entries = _entries(wants, values, rank, world, shapes)
-            meta_hash = metadata_digest(tensors)
+            meta_hash = metadata_digest(tensors) if given is None else given
         except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
             logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
             entries = None
@@ -78,8 +96,9 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     equal = [(meta_hash, "the checkpoint metadata differs from "
               "other ranks' (open the same checkpoint, with the same sources=, on every rank)"),
              (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
-              f"broadcast_batch_bytes={settings[1]}, planner={'custom' if custom_planner else 'default'}: "
-              "every rank must pass the same broadcast settings"),
+              f"broadcast_batch_bytes={settings[1]}, broadcast_groups={'given' if settings[2] else 'None'}, "
+              f"planner={settings[3] if len(settings) > 3 and settings[3] else 'default'}: every rank must pass "
+              "the same broadcast settings"),
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
               "must see the same")]
     decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
@@ -108,5 +127,10 @@ def ensure_groups(platform: Any, plan: GlobalPlan, groups: Any, watch: Any = Non
     from dcp_broadcast import GroupManager
 
     manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
-    manager.ensure({i.ranks for i in plan.broadcasts if len(i.ranks) > 1}, own=True)
+    try:
+        manager.ensure({i.ranks for i in plan.broadcasts if len(i.ranks) > 1}, own=True)
+    except BaseException:
+        if manager is not groups:  # groups made before the failure would leak
+            manager.close(wait_for_peers=False, raise_errors=False)
+        raise
     return manager, manager is not groups

@@ -215,6 +215,46 @@ def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[s
     )
 
 
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS, Windows)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+#: Give memory back at most this often. A trim costs the next load the page faults of
+#: the buffers it reallocates: one process loading 205 tensors (240 MB) took 0.237 s with
+#: a trim after every load against 0.215 s without (median of 30 each, alternating).
+TRIM_EVERY_S = 30.0
+
+# [the looked-up function, when it last ran]: once per process (a list: no global statement)
+_TRIM: list[Any] = []
+
+
+def give_back_memory() -> None:
+    """Return the free memory of every malloc arena to the system (glibc only), at most
+    once per ``TRIM_EVERY_S``.
+
+    Each load reads on threads of its own; glibc serves each thread from an arena whose
+    freed memory it keeps. Over repeated loads a long-running process kept tens of MiB it
+    no longer used (one rank of 4, 205 tensors, "auto": +42 MiB after 150 loads, where
+    threads that outlived the loads had kept it at 12 MiB).
+    """
+    if not _TRIM:
+        _TRIM.extend((_malloc_trim(), -TRIM_EVERY_S))
+    now = time.monotonic()
+    if _TRIM[0] is not None and now - _TRIM[1] >= TRIM_EVERY_S:
+        _TRIM[0](0)
+        _TRIM[1] = now
+
+
 def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target], *,
             batch_bytes: int, groups: Any = None, watch: Any = None,
             on_read: Callable[[int], None] | None = None) -> ExecuteStats:
@@ -228,6 +268,7 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     if threads > 1:
         stats = _read_in_parallel(reader, reads, targets, threads, on_read)
         platform.synchronize()
+        give_back_memory()
         return stats
     sched = _Schedule.of(platform, plan, rank, targets)
     assert all(r.reader == rank for r in reads[:len(sched.events)])
@@ -261,6 +302,7 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     platform.synchronize()
     for target, item, tensor in staged:
         target.adapter.copy(target.view(item.offsets, item.sizes), tensor)
+    give_back_memory()
     logger.debug("rank %d: read %d piece(s) in %.4f s on the read-ahead thread; %d broadcast(s) "
                  "in %.4f s", platform.rank(), thread.done, thread.seconds, broadcasts, bcast_s)
     return ExecuteStats(

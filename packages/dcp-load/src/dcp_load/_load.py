@@ -12,8 +12,8 @@ from typing import Any
 from dcp_platform import PeerFailure
 
 from ._aliases import resolve_aliases
-from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
-from ._derived_plan import derived_plan, ensure_groups
+from ._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
+from ._derived_plan import checkpoint_digest, derived_plan, ensure_groups
 from ._errors import LoadError, format_ranks
 from ._execute import execute
 from ._flat_target import check_overlaps
@@ -122,7 +122,7 @@ def load(
     allow_pickle: bool = False,
     tied_weights: Mapping[str, str] | None = None,
     allow_dtype_cast: bool = True,
-    timeout: Any = DEFAULT_TIMEOUT,
+    timeout: Any = None,
     sources: Mapping[str, Any] | None = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
@@ -153,9 +153,11 @@ def load(
     checkpoint's values of tied keys differ, the load fails unless this names the winner.
     A tied key the checkpoint lacks is filled through one it holds.
 
-    ``timeout`` (a ``timedelta`` or seconds, default 10 minutes): how long ranks that
-    entered ``load`` wait for the others; on expiry they raise ``LoadError`` naming the
-    ranks that did not arrive (see README, "Failure model").
+    ``timeout`` (a ``timedelta`` or seconds; default: the default process group's timeout,
+    else 10 minutes): how long ranks that entered ``load`` wait for the others, and for any
+    single collective; on expiry they raise ``LoadError`` naming the ranks that did not
+    arrive (see README, "Failure model"). Every rank must make the same calls of ``load``
+    in the same order: the n-th call of each rank is matched with the n-th of the others.
 
     ``sources``: where destinations' values come from, ``{destination key: source}``; a
     source is a saved tensor's name (a rename), ``Concat``, ``Stack`` or ``Slice`` of saved
@@ -167,9 +169,38 @@ def load(
     Every problem is found before any destination is written; a failure on any rank raises
     ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
     """
+    slot = next_load_slot()  # every call counts, so that the n-th calls of all ranks pair up
+    try:
+        coord, platform, leaves, errors, source_map = _enter(
+            slot, state_dict, sources, checkpoint_id=checkpoint_id, storage_reader=storage_reader, no_dist=no_dist,
+            use_collectives=use_collectives, broadcast_replicated_tensors=broadcast_replicated_tensors,
+            broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes, platform=platform,
+            timeout=timeout)
+    except BaseException as exc:
+        skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}")
+        raise
+    with coord:
+        coord.arrive()
+        return _load(coord, platform, coord.watch is not None, leaves, errors,
+                     checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
+                     broadcast_replicated_tensors=broadcast_replicated_tensors,
+                     broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes,
+                     strict=strict, allow_pickle=allow_pickle, tied_weights=tied_weights,
+                     allow_dtype_cast=allow_dtype_cast, source_map=source_map)
+
+
+def _enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
+           use_collectives: bool, broadcast_replicated_tensors: Any, broadcast_groups: Any,
+           broadcast_batch_bytes: Any, platform: Any,
+           timeout: Any) -> tuple[Coordinator, Any, list[Any], list[str], Any]:
+    """Check the arguments, choose the platform and decide whether this call is collective:
+    the call's ``Coordinator`` (not entered), the platform, the state dict's leaves, the
+    problems to report through the first exchange and the parsed ``sources=``. A call without collectives in a job with a
+    process group tells the ranks that make this call collectively (``skip_slot``)."""
     _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
-    wait_s = timeout_seconds(timeout)
+    if timeout is not None:
+        timeout_seconds(timeout)  # refuse a bad value before anything else
     errors: list[str] = []
     source_map = None
     try:
@@ -195,14 +226,14 @@ def load(
 
     rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
     collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
-    with Coordinator(platform, collective=collective, timeout=wait_s) as coord:
-        coord.arrive()
-        return _load(coord, platform, collective, leaves, errors, checkpoint_id=checkpoint_id,
-                     storage_reader=storage_reader, planner=planner,
-                     broadcast_replicated_tensors=broadcast_replicated_tensors,
-                     broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes,
-                     strict=strict, allow_pickle=allow_pickle, tied_weights=tied_weights,
-                     allow_dtype_cast=allow_dtype_cast, source_map=source_map)
+    if not collective:
+        why = ("no_dist=True" if no_dist else "use_collectives=False" if not use_collectives
+               else "a checkpoint saved per rank (rank-local metadata)" if rank_local else "no process group")
+        skip_slot(slot, f"called load without collectives ({why}) while other ranks made this call with "
+                        "collectives; every rank must pass the same no_dist and use_collectives")
+    coord = Coordinator(platform, collective=collective, timeout=timeout_seconds(timeout, platform=platform),
+                        slot=slot)
+    return coord, platform, leaves, errors, source_map
 
 
 def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
@@ -212,15 +243,12 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
     checkpoint re-saved during the load, or nodes with different copies, would make the
     ranks walk different broadcast schedules: gloo aborted the process on the size
     mismatch). Either difference raises LoadError on every rank, naming the ranks."""
-    from ._derived_plan import metadata_digest
-
     host = host_id() if broadcast else None
-    digest = metadata_digest(reader.metadata.tensors) if reader is not None else None
+    digest = checkpoint_digest(reader) if reader is not None else None
     gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
                                   payload=(wants, settings, host, digest))
     if len({s for _, s, _, _ in gathered_all}) > 1:
-        per_rank = {r: [f"broadcast_replicated_tensors={s[0]}, broadcast_batch_bytes={s[1]}"]
-                    for r, (_, s, _, _) in enumerate(gathered_all)}
+        per_rank = {r: [settings_text(s)] for r, (_, s, _, _) in enumerate(gathered_all)}
         raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
                          for r, c in per_rank.items()}, "validate")
     digests: dict[Any, list[int]] = {}
@@ -233,6 +261,12 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
                              "a copy that differs, a checkpoint re-saved during the load, or different sources="]
                          for g in groups[1:] for r in g}, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
+
+
+def settings_text(settings: tuple[Any, ...]) -> str:
+    """The broadcast settings of ``_make_plan`` as a person reads them (in mismatch errors)."""
+    return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
 
 
 def _fallback_platform(exc: Exception) -> Any:
@@ -315,18 +349,23 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
 
 
 def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepared, errors: list[str],
-               phases: _Phases, *, mode: Any, broadcast: bool, batch_bytes: int, planner: Any) -> tuple[Any, bool]:
+               phases: _Phases, *, mode: Any, broadcast: bool, batch_bytes: int, planner: Any,
+               groups: Any) -> tuple[Any, bool]:
     """(the plan, whether it was derived). Ends the ``prepare`` and ``plan`` phases."""
     reader = prep.reader
     # The settings that shape the collectives travel with the wants: ranks that differ
     # would walk different broadcast schedules and hang, so they fail together instead.
-    settings = (mode if broadcast else False, batch_bytes)
+    # Supplied groups change how groups are made (gathered, not by their members alone).
+    # So does the planner (by class): ranks with different planners make different plans.
+    settings = (mode if broadcast else False, batch_bytes, groups is not None,
+                None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}")
     # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
     plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
                         failed=bool(errors), settings=settings, broadcast=broadcast,
                         same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter) if collective else None
+                        watch=coord.waiter, meta_hash=checkpoint_digest(reader) if reader is not None else None
+                        ) if collective else None
     if plan is not None:
         phases.end("prepare")
         phases.end("plan")
@@ -345,17 +384,20 @@ def _run(coord: Coordinator, platform: Any, plan: Any, me: int, prep: _Prepared,
     rank = platform.rank()
     coord.phase = "execute"
     groups, close_groups = (ensure_groups(platform, plan, groups, coord.waiter) if derived else (groups, False))
+    done = False
     try:
         stats = execute(platform, prep.reader, plan, me, {t.name: t for t in prep.targets}, batch_bytes=batch_bytes,
                         groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
+        done = True
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:
-        if close_groups:
-            groups.close(wait_for_peers=False)
         raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
-    if close_groups:
-        groups.close()
+    finally:
+        # On every path (KeyboardInterrupt and a peer's failure too): a group left open
+        # leaks. After a failure, no rank waits for the others to close.
+        if close_groups:
+            groups.close(wait_for_peers=done, raise_errors=done)
     phases.end("execute", stats.bytes_read + stats.bytes_received)
     return stats
 
@@ -375,7 +417,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
                  tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast, source_map=source_map)
         plan, derived = _make_plan(coord, platform, collective, prep, errors, phases,
                                    mode=broadcast_replicated_tensors, broadcast=broadcast,
-                                   batch_bytes=broadcast_batch_bytes, planner=planner)
+                                   batch_bytes=broadcast_batch_bytes, planner=planner, groups=broadcast_groups)
         me = platform.rank() if collective else 0
         phases.progress.plan(plan, me, len(prep.targets))
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
+from ._coordinate import Coordinator, timeout_seconds
 from ._errors import LoadError
 from ._flat_target import check_overlaps
 from ._load import resolve_platform
@@ -107,7 +107,7 @@ def save(
     no_dist: bool = False,
     allow_pickle: bool = False,
     platform: Any = None,
-    timeout: Any = DEFAULT_TIMEOUT,
+    timeout: Any = None,
 ) -> SaveReport:
     """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format.
 
@@ -117,18 +117,20 @@ def save(
     values are taken from rank 0; values that are not JSON need ``allow_pickle=True``.
     A failure on any rank raises ``LoadError`` (phase ``"save"``) on every rank.
 
-    ``timeout`` (a ``timedelta`` or seconds, default 10 minutes): how long ranks that
-    entered ``save`` wait for the others. Every exchange of the save is bounded as in
+    ``timeout`` (a ``timedelta`` or seconds; default: the default process group's timeout,
+    else 10 minutes): how long ranks that entered ``save`` wait for the others. Every exchange of the save is bounded as in
     ``load``: a rank that fails, dies or never arrives makes the others raise ``LoadError``
     naming it (within about 15 s for a dead rank) instead of waiting in the next exchange.
     """
     if checkpoint_id is None:
         raise ValueError("save: checkpoint_id= (the directory to write) is required")
-    wait_s = timeout_seconds(timeout, "save")
+    if timeout is not None:
+        timeout_seconds(timeout, "save")  # refuse a bad value before anything else
     start = time.perf_counter()
     path = os.path.abspath(os.fspath(checkpoint_id))
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
+    wait_s = timeout_seconds(timeout, "save", platform)
     check_launch(platform, no_dist, "save")
     collective = not no_dist and platform.is_distributed()
     with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:

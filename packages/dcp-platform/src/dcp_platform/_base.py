@@ -103,6 +103,12 @@ class Platform(abc.ABC):
         """
         return None
 
+    def group_timeout(self) -> float | None:
+        """The default process group's timeout in seconds, or ``None`` when there is none
+        (not initialised, or a backend without one): ``dcp-load`` takes it as the default
+        bound on how long ranks wait for each other."""
+        return None
+
     def wait(self, handle: Handle, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``handle``: True once complete, False if not yet.
 

@@ -213,6 +213,20 @@ class TorchPlatform(Platform):
             return None
         return dist.distributed_c10d._get_default_store()
 
+    def group_timeout(self) -> float | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from torch.distributed import distributed_c10d as c10d
+
+        # The timeout init_process_group gave the backend (gloo, NCCL): torch keeps it in the
+        # backend's options; the store got the same value, which is the fallback.
+        try:
+            backend = c10d._get_default_group()._get_backend(self._device)
+            timeout = backend.options._timeout
+        except Exception:  # noqa: BLE001 - a backend without options (custom, fake): ask the store
+            timeout = getattr(self.store(), "timeout", None)
+        return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
     def wait(self, handle: Any, timeout: float) -> bool:
         completed = getattr(handle, "is_completed", None)
         if completed is not None and completed():

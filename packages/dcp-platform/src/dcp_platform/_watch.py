@@ -20,8 +20,19 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
 
 Store traffic per rank: three operations per ``HEARTBEAT_S`` (2 s), so a 16k-rank job
 puts ~24k operations per second on the store, independent of how many collectives run;
-while arriving, two per second; after an arrival timeout one rank checks every rank's key
-once (the others wait for its verdict).
+while arriving (or at a barrier), one non-blocking ``check`` per poll, the polls spaced
+10 ms apart and doubling to 1 s (7 in the first second, then one per second); after an
+arrival timeout one rank checks every rank's key once (the others wait for its verdict).
+Waits poll with ``check`` rather than ``store.wait(timeout)``: each expired TCPStore wait
+logged two ``[c10d] waitForInput`` warnings, about 1,200 lines per rank over a 10-minute
+arrival wait.
+
+``stall_s`` bounds each single wait on a collective (``wait``, and so ``gather``) and each
+barrier, even while every rank is alive: ranks that disagree (one in an all-gather, another
+broadcasting) would otherwise wait until the process-group timeout. On expiry the cause is
+published like any failure. ``interrupted`` is True once a wait left a collective unfinished
+(a failure was raised while its handle was pending): the process group may then hold that
+collective, and later collectives on it would pair with the wrong partner.
 Without a store (MindSpore) nothing is bounded: waits block as the backend does.
 """
 
@@ -32,7 +43,6 @@ import pickle
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 from ._base import Handle, Platform
@@ -48,6 +58,10 @@ HEARTBEAT_S = 2.0
 STALE_S = 10.0
 #: Longest single blocking wait on a handle between checks of the abort flag.
 SLICE_S = 0.5
+#: Store polls while waiting for a key: the first after this long, then twice as long each
+#: time, up to POLL_MAX_S.
+POLL_MIN_S = 0.01
+POLL_MAX_S = 1.0
 
 
 class PeerFailure(RuntimeError):
@@ -66,8 +80,11 @@ class Watch:
     """One operation's arrival barrier, abort key and heartbeat ring (see module docstring)."""
 
     def __init__(self, platform: Platform, name: str, *, heartbeat_s: float = HEARTBEAT_S,
-                 stale_s: float = STALE_S):
+                 stale_s: float = STALE_S, stall_s: float | None = None):
         self.platform, self.name = platform, name
+        self.stall_s = stall_s
+        #: a wait raised while its collective was still pending (see module docstring)
+        self.interrupted = False
         self.rank, self.world = platform.rank(), platform.world_size()
         self._store = platform.store()
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
@@ -192,18 +209,17 @@ class Watch:
         if self._store.add(self._key("arrived"), 1) >= self.world:
             self._store.set(self._key("all"), "1")
         end = time.monotonic() + timeout
-        while True:
-            try:
-                self._store.wait([self._key("all")], timedelta(seconds=min(1.0, max(0.01, end - time.monotonic()))))
-                break
-            except RuntimeError:  # the slice expired
-                pass
+        pause = POLL_MIN_S
+        while not self._store.check([self._key("all")]):
             cause = self._read_abort()
             if cause is not None:
                 self._set_cause(cause)
                 self.check()
-            if time.monotonic() >= end:
+            now = time.monotonic()
+            if now >= end:
                 self._name_missing(timeout)
+            time.sleep(min(pause, max(0.0, end - now)))
+            pause = min(2 * pause, POLL_MAX_S)
         self._arrived.set()
 
     def _name_missing(self, timeout: float) -> None:
@@ -234,13 +250,33 @@ class Watch:
         if self._store is None:
             handle.wait()
             return
-        while True:
-            self.check()
-            try:
-                if self.platform.wait(handle, SLICE_S):
-                    return
-            except Exception as exc:
-                raise self.lost(exc) from exc
+        start = time.monotonic()
+        try:
+            while True:
+                self.check()
+                try:
+                    if self.platform.wait(handle, SLICE_S):
+                        return
+                except Exception as exc:
+                    raise self.lost(exc) from exc
+                self._check_stall(start, "a collective")
+        except BaseException:
+            self.interrupted = True  # the collective is left pending in the process group
+            raise
+
+    def _check_stall(self, start: float, what: str) -> None:
+        """Publish and raise once one wait has lasted ``stall_s`` with every rank alive."""
+        waited = time.monotonic() - start
+        if self.stall_s is None or waited < self.stall_s:
+            return
+        cause = {self.rank: (f"waited {waited:.0f} s in {what} of {self.name} while every rank was alive "
+                             f"(the bound is the operation's timeout, {self.stall_s:g} s): the ranks are "
+                             "most likely in different collectives because they passed different "
+                             "arguments; pass the same arguments on every rank, or a larger timeout "
+                             "if a single broadcast really takes that long",)}
+        self.abort(cause)
+        self._set_cause(self._read_abort() or cause)
+        self.check()
 
     def wait_event(self, event: threading.Event) -> None:
         """Wait for a local event (a read-ahead thread), raising once a failure is published."""
@@ -271,17 +307,17 @@ class Watch:
             self._cleanup.extend((count, done))
         if self._store.add(count, 1) >= len(ranks):
             self._store.set(done, "1")
-        while True:
+        start, pause = time.monotonic(), POLL_MIN_S
+        while not self._store.check([done]):
             self.check()
-            try:
-                self._store.wait([done], timedelta(seconds=SLICE_S))
-                return
-            except RuntimeError:  # the slice expired
-                pass
+            self._check_stall(start, "a barrier")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
 
     def lost(self, exc: BaseException) -> PeerFailure:
         """The error to raise after a collective failed here (a peer's connection closed):
         the dead rank's when the heartbeats find it, else this rank's, published either way."""
+        self.interrupted = True
         mine = f"rank {self.rank} lost a collective: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         end = time.monotonic() + self.stale_s + 2 * self.heartbeat_s
         while time.monotonic() < end and not self._aborted.is_set():
