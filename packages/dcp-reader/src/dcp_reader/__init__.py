@@ -1,7 +1,6 @@
 """dcp-reader: safe readers for distributed checkpoints (native, Hugging Face safetensors,
 torch.distributed.checkpoint, hyper-parallel) with narrowed reads of saved chunks."""
 
-from ._detect import detect_format
 from ._errors import (
     CheckpointError,
     ChecksumError,
@@ -15,13 +14,14 @@ from ._errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from ._hyper import is_rank_local
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._native import METADATA_FILE, chunk_key
 from ._reader import CheckpointReader, open_checkpoint
 from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
 from ._writer import NativeWriter
+from .formats._detect import detect_format
+from .formats._hyper import is_rank_local
+from .formats._native import METADATA_FILE, chunk_key
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -23,7 +23,7 @@ from typing import Any
 
 from ._errors import ChecksumError, MetadataError
 from ._hash_worker import HashWorker, Job
-from ._pread import pread_into
+from .storage._pread import pread_into
 
 ALGORITHM = "xxh3-64"
 BLOCK_BYTES = 4 * 1024 * 1024

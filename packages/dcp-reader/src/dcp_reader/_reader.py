@@ -12,7 +12,6 @@ from collections import OrderedDict
 from typing import Any
 
 from ._checksum import BlockSums
-from ._detect import detect_format
 from ._dtypes import numpy_dtype, to_safetensors, torch_dtype_name
 from ._errors import (
     CheckpointError,
@@ -23,18 +22,19 @@ from ._errors import (
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hash_worker import HashWorker
-from ._hf import load_hf
-from ._hyper import FORMAT as HYPER_FORMAT
-from ._hyper import load_hyper
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
-from ._native import load_native
-from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
-from ._safetensors_file import SafetensorsFile
-from ._torch_dcp import load_blob, load_torch_dcp
-from ._torch_save_box import BlobLayouts, read_box, read_box_into
-from ._torch_save_zip import BlobTensor
-from ._unpickle import memo_problem
 from ._value_sums import check_bytes, check_value
+from .formats._detect import detect_format
+from .formats._hf import load_hf
+from .formats._hyper import FORMAT as HYPER_FORMAT
+from .formats._hyper import load_hyper
+from .formats._native import load_native
+from .formats._safetensors_file import SafetensorsFile
+from .formats._torch_dcp import load_blob, load_torch_dcp
+from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
+from .formats._torch_save_zip import BlobTensor
+from .formats._unpickle import memo_problem
+from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass
 
 from ._errors import CheckpointError
-from ._paths import METADATA_LIMIT, read_regular
 from ._reader import CheckpointReader, open_checkpoint
 from ._value_sums import check_bytes, check_value
+from .storage._paths import METADATA_LIMIT, read_regular
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
 from ._errors import UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
-from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE
-from ._paths import check_files, check_name
-from ._safetensors_file import read_header_at
 from ._value_sums import bytes_checksum, value_checksum
 from ._values import is_storable_value
+from .formats._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE
+from .formats._safetensors_file import read_header_at
+from .storage._paths import check_files, check_name
 
 logger = logging.getLogger(__name__)
 

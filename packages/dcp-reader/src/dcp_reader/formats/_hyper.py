@@ -27,8 +27,8 @@ import os
 import re
 from typing import Any
 
-from ._dtypes import DTYPE_NAMES
-from ._errors import (
+from .._dtypes import DTYPE_NAMES
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingMetadataError,
@@ -36,8 +36,8 @@ from ._errors import (
     UnsafePickleError,
     summarise,
 )
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import METADATA_LIMIT, check_files, read_regular
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ..storage._paths import METADATA_LIMIT, check_files, read_regular
 from ._unpickle import _record_class, _RestrictedUnpickler
 
 FORMAT = "hyper-parallel"

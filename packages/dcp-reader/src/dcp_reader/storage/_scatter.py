@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 from ._pread import pread_into
 
 #: A gap between runs up to this many bytes is read into the scratch buffer within one call;

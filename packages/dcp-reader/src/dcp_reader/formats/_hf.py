@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from ._dtypes import from_safetensors
-from ._errors import (
+from .._dtypes import from_safetensors
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingFileError,
@@ -15,9 +15,9 @@ from ._errors import (
     UnknownDtypeError,
     summarise,
 )
-from ._json import load_json
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta
-from ._paths import check_files, read_regular
+from .._json import load_json
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta
+from ..storage._paths import check_files, read_regular
 from ._safetensors_file import Header, read_header_at
 
 INDEX_FILE = "model.safetensors.index.json"

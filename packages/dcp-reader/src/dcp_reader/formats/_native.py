@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from ._errors import CheckpointError, MissingFileError, MissingMetadataError
-from ._model import CheckpointMetadata
-from ._paths import METADATA_LIMIT, read_regular
+from .._errors import CheckpointError, MissingFileError, MissingMetadataError
+from .._model import CheckpointMetadata
+from ..storage._paths import METADATA_LIMIT, read_regular
 
 METADATA_FILE = "dcp-metadata.json"
 # Written into every native data file's safetensors __metadata__, so a directory of data
@@ -38,7 +38,7 @@ def load_native(root_real: str) -> CheckpointMetadata:
     except CheckpointError as e:
         raise e.with_path(path) from None
     if meta.format != "native":
-        from ._errors import MetadataError
+        from .._errors import MetadataError
 
         raise MetadataError(f"format is {meta.format!r}, expected 'native'", path=path, key="format")
     return meta

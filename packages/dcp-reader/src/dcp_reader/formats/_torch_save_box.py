@@ -14,10 +14,10 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from ._dtypes import itemsize, numpy_bits_dtype
-from ._pread import pread_into
+from .._dtypes import itemsize, numpy_bits_dtype
+from ..storage._pread import pread_into
+from ..storage._scatter import pread_runs
 from ._safetensors_file import _Box
-from ._scatter import pread_runs
 from ._torch_save_zip import BlobTensor, CannotNarrow, parse_blob
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import io
 import os
 from typing import Any
 
-from ._dtypes import DTYPE_NAMES
-from ._errors import (
+from .._dtypes import DTYPE_NAMES
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingFileError,
@@ -24,9 +24,9 @@ from ._errors import (
     UnknownDtypeError,
     summarise,
 )
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import METADATA_LIMIT, check_files, read_regular, resolve
-from ._pread import pread_into
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ..storage._paths import METADATA_LIMIT, check_files, read_regular, resolve
+from ..storage._pread import pread_into
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
 
 # Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.

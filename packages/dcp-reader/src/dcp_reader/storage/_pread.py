@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._errors import CheckpointError, TruncatedFileError
+from .._errors import CheckpointError, TruncatedFileError
 
 _MAX_CALL = 1 << 30  # bytes per preadv call: Linux transfers at most ~2 GiB per call anyway
 

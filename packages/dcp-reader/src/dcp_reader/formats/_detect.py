@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ._errors import MissingMetadataError
+from .._errors import MissingMetadataError
 from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
 from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import detect_hyper

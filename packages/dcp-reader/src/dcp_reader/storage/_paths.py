@@ -7,7 +7,7 @@ import posixpath
 import stat
 from collections.abc import Iterable
 
-from ._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
+from .._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (a hang); on a
 # regular file it changes nothing. O_NOFOLLOW: the path is already resolved, so a symlink

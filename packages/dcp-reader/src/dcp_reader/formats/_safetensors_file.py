@@ -10,14 +10,14 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ._checksum import BlockSums, read_verified
-from ._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
-from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
-from ._hash_worker import HashWorker
-from ._json import load_json
-from ._paths import open_regular
-from ._pread import pread_into
-from ._scatter import pread_runs
+from .._checksum import BlockSums, read_verified
+from .._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
+from .._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
+from .._hash_worker import HashWorker
+from .._json import load_json
+from ..storage._paths import open_regular
+from ..storage._pread import pread_into
+from ..storage._scatter import pread_runs
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)
 

@@ -1,0 +1,1 @@
+"""Where checkpoint bytes live: the storage seam (POSIX files, object stores)."""
