@@ -34,7 +34,9 @@ from .formats._torch_dcp import load_blob, load_torch_dcp
 from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
 from .formats._torch_save_zip import BlobTensor
 from .formats._unpickle import memo_problem
+from .storage._files import close_fd, fd_size, pread_bytes
 from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
+from .storage._uri import real_root
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +47,12 @@ class _RawFile:
     def __init__(self, root_real: str, name: str, key: str | None):
         self.fd = open_regular(root_real, name, key=key)
         self.path = os.path.join(root_real, name)
-        self.size = os.fstat(self.fd).st_size
+        self.size = fd_size(self.fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd is not None:
+            close_fd(self.fd)
+            self.fd = None
 
 
 class CheckpointReader:
@@ -346,15 +348,15 @@ class CheckpointReader:
         offset, length = storage
         fd = open_regular(self.path, file, key=name)
         try:
-            size = os.fstat(fd).st_size
+            size = fd_size(fd)
             path = os.path.join(self.path, file)
             if offset + length > size:
                 raise TruncatedFileError(f"value {name!r} is stored at bytes [{offset}, {offset + length}) but the "
                                          f"file has {size} bytes; the file is truncated: re-copy it", path=path,
                                          key=name)
-            raw = os.pread(fd, length, offset)
+            raw = pread_bytes(fd, length, offset, path=path, key=name)
         finally:
-            os.close(fd)
+            close_fd(fd)
         return _trusted_pickle(raw, path, name)
 
     def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
@@ -461,7 +463,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
     ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
     one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
     t0 = time.perf_counter()
-    root = os.path.realpath(os.fspath(path))
+    root = real_root(path)
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
     try:

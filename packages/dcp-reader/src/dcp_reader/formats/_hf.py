@@ -17,6 +17,7 @@ from .._errors import (
 )
 from .._json import load_json
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta
+from ..storage._files import lexists, listdir
 from ..storage._paths import check_files, read_regular
 from ._safetensors_file import Header, read_header_at
 
@@ -30,7 +31,7 @@ INDEX_LIMIT = 64 * 1024 * 1024
 def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
     """The data files of an HF-style checkpoint, and the index's weight map if any."""
     index = os.path.join(root_real, INDEX_FILE)
-    if os.path.lexists(index):  # lexists: a dangling link or a directory is reported, not skipped
+    if lexists(root_real, INDEX_FILE):  # lexists: a dangling link or a directory is reported, not skipped
         doc = load_json(read_regular(root_real, INDEX_FILE, limit=INDEX_LIMIT, key=INDEX_FILE), index,
                         "the index is corrupt: re-save or re-download it")
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -39,10 +40,9 @@ def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
                                 "index is corrupt: re-save or re-download it", path=index, key="weight_map")
         check_files(root_real, [(f, k) for k, f in wm.items()])
         return sorted(set(wm.values())), wm
-    if os.path.lexists(os.path.join(root_real, SINGLE_FILE)):
+    if lexists(root_real, SINGLE_FILE):
         return [SINGLE_FILE], None
-    files = sorted(e.name for e in os.scandir(root_real)
-                   if e.name.endswith(".safetensors") and not e.name.startswith("."))
+    files = sorted(n for n in listdir(root_real) if n.endswith(".safetensors") and not n.startswith("."))
     if not files:
         raise MissingFileError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file in the directory",
                                path=root_real)
