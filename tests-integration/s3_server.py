@@ -89,6 +89,7 @@ class Faults:
     gets: int = 0
     get_bytes: int = 0
     requests: int = 0
+    lists: int = 0  # bucket listings (GET with a prefix= or list-type= query)
     injected: int = 0
 
     def take(self, method: str, path: str, headers: Any) -> str | None:
@@ -103,7 +104,7 @@ class Faults:
 
     def reset_counts(self) -> None:
         with self.lock:
-            self.gets = self.get_bytes = self.requests = self.injected = 0
+            self.gets = self.get_bytes = self.requests = self.injected = self.lists = 0
 
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -150,7 +151,10 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
             self._conn = None
             return self._reply(502, b"upstream failed")
-        if self.command == "GET":
+        if self.command == "GET" and "?" in self.path and ("list-type=" in self.path or "prefix=" in self.path):
+            with faults.lock:
+                faults.lists += 1
+        elif self.command == "GET":
             with faults.lock:
                 faults.gets += 1
                 faults.get_bytes += len(data)

@@ -20,6 +20,7 @@ from ._hosts import host_id
 from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from ._progress import Progress
 from ._report import LoadReport
+from ._shared_open import is_uri, open_shared
 from ._state import Chunk, flatten_state_dict, is_tensor
 from ._targets import Target, in_mesh, target_for
 from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
@@ -260,7 +261,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
         if prep.reader is None:
             from dcp_reader import open_checkpoint
 
-            prep.reader = open_checkpoint(os.fspath(checkpoint_id), allow_pickle=allow_pickle, rank=platform.rank())
+            prep.reader = open_checkpoint(checkpoint_id, allow_pickle=allow_pickle, rank=platform.rank())
             prep.owned = True
         metadata = prep.reader.metadata
         errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
@@ -332,6 +333,8 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(platform.rank())
     prep = _Prepared(reader=storage_reader)
+    if collective and storage_reader is None and is_uri(checkpoint_id):  # one rank lists the bucket
+        prep.reader, prep.owned = open_shared(coord, platform, checkpoint_id, errors, allow_pickle=allow_pickle), True
     try:
         _prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
                  tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast)

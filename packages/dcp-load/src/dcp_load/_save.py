@@ -24,6 +24,7 @@ from ._coordinate import DEFAULT_TIMEOUT, Coordinator, timeout_seconds
 from ._errors import LoadError
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
+from ._shared_open import is_uri
 from ._state import flatten_state_dict, is_tensor
 from ._targets import in_mesh, target_for
 from ._validate import check_launch, exchange, summarise
@@ -122,7 +123,8 @@ def save(
         raise ValueError("save: checkpoint_id= (the directory to write) is required")
     wait_s = timeout_seconds(timeout, "save")
     start = time.perf_counter()
-    path = os.path.abspath(os.fspath(checkpoint_id))
+    path = os.fspath(checkpoint_id)
+    path = path if is_uri(path) else os.path.abspath(path)  # s3://bucket/prefix: an object store
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
     check_launch(platform, no_dist, "save")

@@ -9,6 +9,8 @@ from ._errors import (
     MissingFileError,
     MissingKeyError,
     MissingMetadataError,
+    StorageAuthError,
+    StorageError,
     TruncatedFileError,
     UnknownDtypeError,
     UnsafePathError,
@@ -49,5 +51,7 @@ __all__ = [
     "CoverageError",
     "UnsafePathError",
     "UnsafePickleError",
+    "StorageError",
+    "StorageAuthError",
     "__version__",
 ]

@@ -454,18 +454,29 @@ def _load_metadata(root: str, fmt: str, rank: int | None) -> CheckpointMetadata:
 
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
                     max_open_files: int = 64, verify_checksums: bool = True,
-                    rank: int | None = None) -> CheckpointReader:
+                    rank: int | None = None, metadata: CheckpointMetadata | None = None) -> CheckpointReader:
     """Open a checkpoint directory: detect (or take) its format, read and validate its
     metadata (file names, existence, coverage), and return a reader. ``verify_checksums``:
     check the block checksums (native format) of every block a read touches. Every problem with the
     checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments.
 
     ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
-    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
+    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise.
+
+    ``path``: a directory, or an object-store URI (``s3://bucket/prefix``; ``gs://``, ``az://``)
+    read through ranged GETs (dcp-reader README, "Object storage").
+    ``metadata``: the checkpoint's metadata as another process read it (its ``to_json``
+    round trip): nothing is listed or read to open the reader, so that of N ranks only one
+    lists a bucket and reads the index."""
     t0 = time.perf_counter()
     root = real_root(path)
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+    if metadata is not None:
+        if not isinstance(metadata, CheckpointMetadata):
+            raise TypeError(f"metadata must be a CheckpointMetadata or None, got {type(metadata).__name__}")
+        return CheckpointReader(root, metadata, allow_pickle=allow_pickle, max_open_files=max_open_files,
+                                verify_checksums=verify_checksums)
     try:
         fmt = detect_format(root) if format is None else format
         meta = _load_metadata(root, fmt, rank)
