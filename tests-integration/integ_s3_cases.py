@@ -19,6 +19,7 @@ from integ_load_cases import (
     poison_like,
     report,
     run_case,
+    same,
     write_hf,
     write_native,
 )
@@ -63,9 +64,9 @@ def plain_state(names: list[str]) -> dict[str, Any]:
     return {n: poison_like(full(n)) for n in names}
 
 
-def s3_mesh_cases(rank: int, world: int, uris: dict[str, str], save_uri: str) -> dict[str, Any]:
+def s3_mesh_cases(rank: int, world: int, uris: dict[str, str], save_uri: str, bad_key: str) -> dict[str, Any]:
     """DP2 x TP2: every format loaded from s3:// ([R, S(0)] and [S(0), S(1)]); a 4-rank save
-    to s3:// loaded back."""
+    to s3:// loaded back; refused credentials on one rank fail every rank."""
     import dcp_load
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -91,4 +92,26 @@ def s3_mesh_cases(rank: int, world: int, uris: dict[str, str], save_uri: str) ->
         return load_check(_mesh_state(mesh, [Replicate(), Shard(0)]), errors, "save_then_load", save_uri)
 
     run_case(results, "save_then_load", save_then_load)
+
+    def one_rank_refused(errors: list[str]) -> Any:
+        """Rank 1's credentials are refused: every rank raises LoadError naming rank 1 and
+        StorageAuthError, and no rank's destination changes."""
+        state = _mesh_state(mesh, [Replicate(), Shard(0)])
+        old = os.environ["AWS_ACCESS_KEY_ID"]
+        if rank == 1:
+            os.environ["AWS_ACCESS_KEY_ID"] = bad_key
+        try:
+            dcp_load.load(state, checkpoint_id=uris["hf"], timeout=120)
+            errors.append("the load succeeded with refused credentials on rank 1")
+        except dcp_load.LoadError as e:
+            if "rank 1" not in str(e) or "StorageAuthError" not in str(e):
+                errors.append(f"the error does not name rank 1's StorageAuthError: {e}")
+        finally:
+            os.environ["AWS_ACCESS_KEY_ID"] = old
+        for name, v in state.items():
+            t = local_of(v)
+            if not same(t, poison_like(t)):  # bit-exact: NaN poison equals itself here
+                errors.append(f"{name!r} changed on a failed load")
+
+    run_case(results, "one_rank_refused", one_rank_refused)
     return results

@@ -56,6 +56,7 @@ _AUTH_WORDS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "E
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
+_SHORT = object()  # marks an attempt whose body came back short
 
 
 def _env_key() -> tuple[tuple[str, str], ...]:
@@ -160,25 +161,51 @@ class ObjectStorage:
                             f"({type(e).__name__}: {_first_line(text)})", path=uri, key=key)
 
     def _call(self, fn: Any, name: str, key: str | None, doing: str, *args: Any, **kw: Any) -> Any:
-        try:
-            return fn(self.store, *args, **kw)
-        except Exception as e:  # obstore's errors and the client's I/O errors: typed here
-            raise self._error(e, name, key, doing) from None
+        """``fn(store, ...)`` retried as GETs are (``_retrying``)."""
+        return self._retrying(lambda: fn(self.store, *args, **kw), name, key, doing,
+                              time.monotonic() + self.options.total_timeout)
+
+    def _retrying(self, attempt_fn: Any, name: str, key: str | None, doing: str, deadline: float) -> Any:
+        """``attempt_fn()`` until it returns something other than ``_SHORT``, retried with
+        backoff and full jitter on anything but a missing object or refused credentials
+        (obstore retries 5xx and resets itself, but not a connection that broke while its
+        body was read, nor a pooled connection the server had closed), until ``deadline``."""
+        attempt, last = 0, ""
+        while True:
+            try:
+                out = attempt_fn()
+                if not (isinstance(out, tuple) and out and out[0] is _SHORT):
+                    return out
+                last = out[1]
+            except Exception as e:  # noqa: BLE001 - classified: permanent ones raise, the rest retry
+                err = self._error(e, name, key, doing)
+                if type(err) is not StorageError:
+                    raise err from None
+                last = f"{type(e).__name__}: {_short(str(e))}"
+            attempt += 1
+            pause = random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
+            if time.monotonic() + pause > deadline:
+                raise StorageError(f"{doing} of {key or 'the object'!r} still failed after {attempt} attempt(s) "
+                                   f"within {self.options.total_timeout:g} s (DCP_STORAGE_TOTAL_TIMEOUT); last: "
+                                   f"{last}. The object store at {endpoint_of(self.scheme)} is failing or "
+                                   "overloaded: retry later", path=self.uri(name), key=key)
+            logger.debug("retrying %s of %s in %.3f s (attempt %d): %s", doing, self.uri(name), pause, attempt, last)
+            time.sleep(pause)
 
     # -- the Storage protocol --------------------------------------------------------------
     def list(self) -> dict[str, int]:
         import obstore
 
         lead = f"{self.prefix}/" if self.prefix else ""
-        out: dict[str, int] = {}
-        stream = self._call(obstore.list, "", None, "listing the prefix", lead or None, chunk_size=1000)
-        try:
-            for batch in stream:
+
+        def listing(store: Any) -> dict[str, int]:
+            out: dict[str, int] = {}
+            for batch in obstore.list(store, lead or None, chunk_size=1000):
                 for meta in batch:
                     out[meta["path"][len(lead):]] = int(meta["size"])
-        except Exception as e:  # noqa: BLE001 - a page failed: typed, naming the prefix
-            raise self._error(e, "", None, "listing the prefix") from None
-        return out
+            return out
+
+        return self._call(listing, "", None, "listing the prefix")
 
     def names(self) -> set[str]:
         """The names at the top level of the root (one listing with a delimiter)."""
@@ -293,32 +320,19 @@ class ObjectStorage:
             i += 1
 
     def _get(self, name: str, key: str | None, lo: int, hi: int, deadline: float) -> Any:
-        """The bytes [lo, hi) of the object, retried (backoff with full jitter) on anything
-        but a missing object or refused credentials, until ``deadline``."""
+        """The bytes [lo, hi) of the object; a short body is retried like an error."""
         import obstore
 
-        attempt, last = 0, None
-        while True:
-            try:
-                body = obstore.get_range(self.store, self.key(name), start=lo, end=hi)
-                if len(body) == hi - lo:
-                    return body
-                last = f"short body: {len(body)} of {hi - lo} bytes"
-            except Exception as e:  # noqa: BLE001 - classified: permanent ones raise, the rest retry
-                err = self._error(e, name, key, f"reading bytes [{lo}, {hi})")
-                if type(err) is not StorageError:
-                    raise err from None
-                last = err.message
-            attempt += 1
-            pause = random.uniform(0, min(5.0, 0.05 * 2 ** attempt))
-            if time.monotonic() + pause > deadline:
-                raise StorageError(f"reading bytes [{lo}, {hi}) of {key!r} still failed after {attempt} attempt(s) "
-                                   f"within {self.options.total_timeout:g} s (DCP_STORAGE_TOTAL_TIMEOUT); last: "
-                                   f"{last}. The object store at {endpoint_of(self.scheme)} is failing or "
-                                   "overloaded: retry later", path=self.uri(name), key=key)
-            logger.debug("retrying %s [%d, %d) in %.3f s (attempt %d): %s", self.uri(name), lo, hi, pause,
-                         attempt, last)
-            time.sleep(pause)
+        def attempt() -> Any:
+            body = obstore.get_range(self.store, self.key(name), start=lo, end=hi)
+            return body if len(body) == hi - lo else (_SHORT, f"short body: {len(body)} of {hi - lo} bytes")
+
+        return self._retrying(attempt, name, key, f"reading bytes [{lo}, {hi})", deadline)
+
+
+def _short(text: str) -> str:
+    """obstore's message without its debug dump, on one line."""
+    return " ".join(text.split("Debug source:")[0].split())[:400]
 
 
 def _first_line(text: str) -> str:
