@@ -91,6 +91,8 @@ class Faults:
     requests: int = 0
     lists: int = 0  # bucket listings (GET with a prefix= or list-type= query)
     injected: int = 0
+    inflight: int = 0
+    max_inflight: int = 0  # most requests served at once (the connections really used)
 
     def take(self, method: str, path: str, headers: Any) -> str | None:
         with self.lock:
@@ -105,6 +107,7 @@ class Faults:
     def reset_counts(self) -> None:
         with self.lock:
             self.gets = self.get_bytes = self.requests = self.injected = self.lists = 0
+            self.max_inflight = 0
 
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -128,6 +131,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         faults = self.server.faults
+        with faults.lock:
+            faults.inflight += 1
+            faults.max_inflight = max(faults.max_inflight, faults.inflight)
+        try:
+            self._serve(faults)
+        finally:
+            with faults.lock:
+                faults.inflight -= 1
+
+    def _serve(self, faults: Faults) -> None:
         n = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(n) if n else None
         kind = faults.take(self.command, self.path, self.headers)
