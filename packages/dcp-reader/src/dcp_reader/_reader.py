@@ -34,9 +34,9 @@ from .formats._torch_dcp import load_blob, load_torch_dcp
 from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
 from .formats._torch_save_zip import BlobTensor
 from .formats._unpickle import memo_problem
-from .storage._files import close_fd, fd_size, pread_bytes
+from .storage._files import close_fd, fd_size, in_parallel, pread_bytes
 from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
-from .storage._uri import real_root
+from .storage._uri import is_uri, real_root
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,30 @@ class CheckpointReader:
             _, old = self._files.popitem(last=False)
             old.close()
         return f
+
+    def prefetch(self, files: list[str]) -> None:
+        """Open ``files`` at once (object stores: their HEAD and header requests run in
+        parallel instead of one after the other); a no-op for a directory. A file that
+        fails to open is left out: opening it again when it is read reports why."""
+        todo = [f for f in dict.fromkeys(files) if f not in self._files][:self._max_open]
+        if not is_uri(self.path) or len(todo) < 2:
+            return
+        key = {c.file: n for n, t in self.metadata.tensors.items() for c in t.chunks}
+
+        def open_one(name: str) -> Any:
+            try:
+                return self._new_file(name, key.get(name))
+            except CheckpointError:
+                return None  # reported by the open at read time, with its own message
+
+        for name, f in zip(todo, in_parallel(self.path, open_one, todo), strict=True):
+            if f is not None:
+                self._files[name] = f
+                if len(self._files) > self._max_open:
+                    self._files.popitem(last=False)[1].close()
+
+    def _new_file(self, name: str, key: str | None) -> Any:
+        return _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
 
     # -- tensors ---------------------------------------------------------------------------
     def _box(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]

@@ -17,7 +17,7 @@ from .._errors import (
 )
 from .._json import load_json
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta
-from ..storage._files import lexists, listdir
+from ..storage._files import in_parallel, lexists, listdir
 from ..storage._paths import check_files, read_regular
 from ._safetensors_file import Header, read_header_at
 
@@ -73,8 +73,8 @@ def load_hf(root_real: str, *, sharded: bool) -> CheckpointMetadata:
     chunks: dict[str, list[ChunkMeta]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     problems: list[CheckpointError] = []
-    for f in files:
-        header = read_header_at(root_real, f)
+    headers = in_parallel(root_real, lambda f: read_header_at(root_real, f), files)
+    for f, header in zip(files, headers, strict=True):
         real = os.path.join(root_real, f)
         info = sharding_info(header, real) if sharded else None
         keys = wanted[f] if wanted is not None else list(header.entries)

@@ -5,6 +5,7 @@ read with ``preadv``) or an ``ObjectFile``."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import MissingFileError
@@ -32,6 +33,19 @@ def pread_bytes(fd: int | Any, n: int, offset: int, *, path: str, key: str | Non
     buf = bytearray(n)
     pread_into(fd, buf, offset, path=path, key=key)
     return bytes(buf)
+
+
+def in_parallel(root: str, fn: Callable[[str], Any], names: Sequence[str]) -> list[Any]:
+    """``[fn(n) for n in names]``; for an object store on up to 16 threads (each call waits on
+    round trips of 20-50 ms, which a loop would pay one after the other). The first failure
+    in ``names`` order is raised, as the loop would."""
+    if not is_uri(root) or len(names) < 2:
+        return [fn(n) for n in names]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(16, len(names)), thread_name_prefix="dcp-open") as pool:
+        futures = [pool.submit(fn, n) for n in names]
+        return [f.result() for f in futures]
 
 
 def listdir(root: str) -> set[str]:

@@ -59,6 +59,33 @@ _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
 _SHORT = object()  # marks an attempt whose body came back short
 
 
+class _Heads:
+    """First bytes of objects by (URI, ETag, size), least recently used dropped past
+    ``limit``: the sibling readers of a load (one per read thread) each open every file
+    and would each fetch its header again (8 readers x 4 ranks x 32 files x 64 KiB was 6 %
+    of a 1 GiB checkpoint, benchmarks/bench_s3.py); the ETag changes when the object does."""
+
+    def __init__(self, limit: int = 256):
+        self.limit, self.lock = limit, threading.Lock()
+        self.items: dict[tuple[Any, ...], bytes] = {}
+
+    def get(self, key: tuple[Any, ...]) -> bytes | None:
+        with self.lock:
+            value = self.items.pop(key, None)
+            if value is not None:
+                self.items[key] = value
+            return value
+
+    def put(self, key: tuple[Any, ...], value: bytes) -> None:
+        with self.lock:
+            self.items[key] = value
+            while len(self.items) > self.limit:
+                self.items.pop(next(iter(self.items)))
+
+
+_HEADS = _Heads()
+
+
 def _env_key() -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
 
@@ -218,9 +245,14 @@ class ObjectStorage:
         return found
 
     def size(self, name: str, *, key: str | None = None) -> int:
+        return self.head(name, key=key)[0]
+
+    def head(self, name: str, *, key: str | None = None) -> tuple[int, str | None]:
+        """(size, ETag) of the object: one HEAD request."""
         import obstore
 
-        return int(self._call(obstore.head, name, key, "reading the object's size", self.key(name))["size"])
+        meta = self._call(obstore.head, name, key, "reading the object's size", self.key(name))
+        return int(meta["size"]), meta.get("e_tag")
 
     def exists(self, name: str) -> bool:
         try:
@@ -365,8 +397,10 @@ class ObjectFile:
     def __init__(self, storage: ObjectStorage, name: str, key: str | None):
         self.storage, self.name = storage, name
         self.path = storage.uri(name)
-        self.size = storage.size(name, key=key)
-        self._head: bytes | None = None
+        self.size, etag = storage.head(name, key=key)
+        # the first bytes, shared by the readers of one process while the object is unchanged
+        self._head_key = (self.path, etag, self.size) if etag else None
+        self._head: bytes | None = _HEADS.get(self._head_key) if self._head_key else None
         self.fetched = 0  # bytes fetched, gaps and header included
 
     def _check(self, offset: int, n: int, key: str | None) -> None:
@@ -386,6 +420,8 @@ class ObjectFile:
                 head = bytearray(min(self.size, HEAD_BYTES))
                 self.fetched += self.storage.fetch(self.name, [(0, memoryview(head))], key=key)
                 self._head = bytes(head)
+                if self._head_key:
+                    _HEADS.put(self._head_key, self._head)
             view[:] = self._head[offset:offset + n]
             return
         self.fetched += self.storage.fetch(self.name, [(offset, view)], key=key)

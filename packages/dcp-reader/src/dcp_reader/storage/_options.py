@@ -19,6 +19,8 @@ class ObjectOptions:
     - ``concurrency`` (``DCP_STORAGE_CONCURRENCY``): GETs in flight at once per read, and
       parts in flight per upload (see the dcp-reader README, "Object storage", for the
       measurement behind the default).
+    - ``readers`` (``DCP_STORAGE_READERS``): pieces of a load that one process reads at once
+      (dcp-load: each on its own thread and reader).
     - ``coalesce_gap`` (``DCP_STORAGE_COALESCE_GAP``): two ranges at most this far apart are
       fetched by one GET (the gap is read and dropped: cheaper than another round trip).
     - ``stall_timeout`` (``DCP_STORAGE_STALL_TIMEOUT``, seconds): a response that sends no
@@ -29,6 +31,7 @@ class ObjectOptions:
 
     part_bytes: int = 8 * MiB
     concurrency: int = 16
+    readers: int = 8
     coalesce_gap: int = 1 * MiB
     stall_timeout: float = 30.0
     total_timeout: float = 300.0
@@ -37,10 +40,10 @@ class ObjectOptions:
         if self.part_bytes < 5 * MiB:
             # S3 refuses multipart parts below 5 MiB (all but the last)
             raise ValueError(f"part_bytes must be >= {5 * MiB} (5 MiB), got {self.part_bytes}")
-        for f in ("concurrency", "coalesce_gap"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if f == "concurrency" else 0):
-                raise ValueError(f"{f} must be an int >= {1 if f == 'concurrency' else 0}, got {v!r}")
+        for f in ("concurrency", "readers", "coalesce_gap"):
+            v, least = getattr(self, f), 0 if f == "coalesce_gap" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{f} must be an int >= {least}, got {v!r}")
         for f in ("stall_timeout", "total_timeout"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0 seconds, got {getattr(self, f)!r}")
