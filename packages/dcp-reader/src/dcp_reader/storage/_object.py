@@ -322,6 +322,8 @@ class ObjectStorage:
         than ``coalesce_gap``, cuts the result into GETs of at most ``part_bytes`` and runs
         up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``."""
         parts = _parts(spans, self.options.part_bytes, self.options.coalesce_gap)
+        if not parts:  # only empty spans
+            return 0
         deadline = time.monotonic() + self.options.total_timeout
         starts = [o for o, _ in spans]
         if len(parts) == 1:
