@@ -320,38 +320,29 @@ class ObjectStorage:
         """Fill each (offset, view) of ``spans`` (ascending, not overlapping) with the
         object's bytes; returns the bytes fetched (gaps included). Coalesces spans closer
         than ``coalesce_gap``, cuts the result into GETs of at most ``part_bytes`` and runs
-        up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``."""
+        up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``.
+        Nothing is written into ``spans`` unless every GET succeeded (the bodies are held
+        until then): a failed fetch leaves the destination as it was."""
         parts = _parts(spans, self.options.part_bytes, self.options.coalesce_gap)
         if not parts:  # only empty spans
             return 0
         deadline = time.monotonic() + self.options.total_timeout
-        starts = [o for o, _ in spans]
         if len(parts) == 1:
-            self._part(name, key, parts[0], spans, starts, deadline)
+            bodies = [self._get(name, key, *parts[0], deadline)]
         else:
             with ThreadPoolExecutor(max_workers=min(self.options.concurrency, len(parts)),
                                     thread_name_prefix="dcp-get") as pool:
-                futures = [pool.submit(self._part, name, key, p, spans, starts, deadline) for p in parts]
+                futures = [pool.submit(self._get, name, key, lo, hi, deadline) for lo, hi in parts]
                 try:
-                    for f in futures:
-                        f.result()
+                    bodies = [f.result() for f in futures]
                 except BaseException:
                     for f in futures:
                         f.cancel()
                     raise
+        starts = [o for o, _ in spans]
+        for part, body in zip(parts, bodies, strict=True):
+            _copy(part, memoryview(body).cast("B"), spans, starts)
         return sum(hi - lo for lo, hi in parts)
-
-    def _part(self, name: str, key: str | None, part: tuple[int, int], spans: Sequence[tuple[int, memoryview]],
-              starts: list[int], deadline: float) -> None:
-        lo, hi = part
-        body = memoryview(self._get(name, key, lo, hi, deadline)).cast("B")
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
-        while i < len(spans) and spans[i][0] < hi:
-            off, view = spans[i]
-            a, b = max(lo, off), min(hi, off + len(view))
-            if a < b:
-                view[a - off:b - off] = body[a - lo:b - lo]
-            i += 1
 
     def _get(self, name: str, key: str | None, lo: int, hi: int, deadline: float) -> Any:
         """The bytes [lo, hi) of the object; a short body is retried like an error."""
@@ -371,6 +362,19 @@ def _short(text: str) -> str:
 
 def _first_line(text: str) -> str:
     return text.strip().splitlines()[0][:300] if text.strip() else ""
+
+
+def _copy(part: tuple[int, int], body: memoryview, spans: Sequence[tuple[int, memoryview]],
+          starts: list[int]) -> None:
+    """The bytes of ``body`` (the object's [lo, hi)) into the spans they overlap."""
+    lo, hi = part
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    while i < len(spans) and spans[i][0] < hi:
+        off, view = spans[i]
+        a, b = max(lo, off), min(hi, off + len(view))
+        if a < b:
+            view[a - off:b - off] = body[a - lo:b - lo]
+        i += 1
 
 
 def _parts(spans: Sequence[tuple[int, memoryview]], part_bytes: int, gap: int) -> list[tuple[int, int]]:
