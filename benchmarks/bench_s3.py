@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="", help="dcp: sweep DCP_STORAGE_CONCURRENCY over these values")
     p.add_argument("--readers", default="", help="dcp: sweep DCP_STORAGE_READERS over these values")
     p.add_argument("--skip-peers", action="store_true", help="dcp only")
+    p.add_argument("--runai-concurrency", type=int, default=8,
+                   help="RUNAI_STREAMER_CONCURRENCY per process (default 8: at its default, 4 processes "
+                        "overloaded moto and Run:ai failed with 'File access error')")
+    p.add_argument("--runs", default="", help="only these tool:layout runs, e.g. dcp:dp4,runai:any")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
     lo, hi = (float(x) / 1000 for x in args.latency_ms.split(","))
@@ -270,14 +274,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server ceiling (moto alone, 8 MiB GETs, 16 in flight): {ceiling:.0f} MiB/s", flush=True)
         faults = s3_server.Faults(latency_s=(lo, hi), bandwidth=bandwidth)
         with s3_server.FaultProxy(endpoint, faults) as proxy:
+            # RUNAI_STREAMER_DIST=0: with torch.distributed initialised Run:ai otherwise enters its
+            # distributed mode, which failed here on CPU ("File access error"); it is meant
+            # for CUDA (issue 21: each process reads everything outside that mode).
             env = {**s3_server.s3_env(proxy.endpoint), "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-                   "DCP_HOST_ID": ""}
-            env.pop("DCP_HOST_ID")
+                   "RUNAI_STREAMER_DIST": "0", "RUNAI_STREAMER_CONCURRENCY": str(args.runai_concurrency), **{k: v for k, v in os.environ.items() if k.startswith("RUNAI_STREAMER_LOG")}}
             runs = [("dcp", "dp4"), ("dcp", "dp2tp2")]
             if not args.skip_peers:
                 runs += [("torchdcp", "dp4"), ("torchdcp", "dp2tp2"), ("runai", "any")]
+            if args.runs:
+                runs = [tuple(r.split(":")) for r in args.runs.split(",")]
             for tool, layout in runs:
-                rows.append(measure(proxy, tool, layout, spec, files, unique, env, ceiling, (lo, hi), bandwidth))
+                try:
+                    rows.append(measure(proxy, tool, layout, spec, files, unique, env, ceiling, (lo, hi), bandwidth))
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, the others still run
+                    print(f"{tool:8s} {layout:7s} FAILED: {str(e).strip().splitlines()[-1][:300]}", flush=True)
+                    rows.append({"tool": tool, "layout": layout, "failed": str(e)[-2000:]})
             sweeps = [("DCP_STORAGE_CONCURRENCY", x) for x in args.concurrency.split(",") if x]
             sweeps += [("DCP_STORAGE_READERS", x) for x in args.readers.split(",") if x]
             for var, value in sweeps:
@@ -296,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    by = {(r["tool"], r["layout"]): r["seconds"] for r in rows if "concurrency" not in r}
+    by = {(r["tool"], r["layout"]): r["seconds"] for r in rows if "concurrency" not in r and "seconds" in r}
     runai = by.get(("runai", "any"))
     for layout in ("dp4", "dp2tp2"):
         mine = by.get(("dcp", layout))
