@@ -273,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="", help="dcp: sweep DCP_STORAGE_CONCURRENCY over these values")
     p.add_argument("--readers", default="", help="dcp: sweep DCP_STORAGE_READERS over these values")
     p.add_argument("--skip-peers", action="store_true", help="dcp only")
-    p.add_argument("--runai-concurrency", type=int, default=8,
-                   help="RUNAI_STREAMER_CONCURRENCY per process (default 8: at its default, 4 processes "
-                        "overloaded moto and Run:ai failed with 'File access error')")
+    p.add_argument("--runai-concurrency", type=int, default=4,
+                   help="RUNAI_STREAMER_CONCURRENCY per process (default 4: at its default and at 8, 4 "
+                        "processes overloaded moto and Run:ai failed with 'File access error' at 1 GiB)")
     p.add_argument("--runs", default="", help="only these tool:layout runs, e.g. dcp:dp4,runai:any")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
