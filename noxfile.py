@@ -46,7 +46,8 @@ def _torch_requirements(links: list[str]) -> list[str]:
 FIND_LINKS = [f"--find-links={link}" for link in _find_links()]
 TORCH = [*FIND_LINKS, *_torch_requirements(_find_links())]
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]  # MindSpore 2.10 fails to import with numpy 2
-TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3", "matplotlib>=3.8"]  # matplotlib: dcp plan --png
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3", "matplotlib>=3.8",  # matplotlib: dcp plan --png
+             "moto[server]>=5", "obstore>=0.6"]  # the S3 tests: a loopback S3 server, the object client
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
@@ -192,7 +193,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks side by side with torch.distributed.checkpoint; JSON in bench-results/."""
+    """Benchmarks side by side with torch.distributed.checkpoint (`-- s3`: from S3); JSON in bench-results/."""
     # fastsafetensors: the peer loader measured in the same run (benchmarks/_bench_loaders.py).
-    _install(session, "safetensors>=0.4.3", "matplotlib>=3.8", "fastsafetensors>=0.5")
+    # bench_s3.py: a loopback S3 server, obstore, and the peers it is measured against
+    # (torch DCP's FsspecReader over s3fs, Run:ai Model Streamer).
+    _install(session, "safetensors>=0.4.3", "matplotlib>=3.8", "fastsafetensors>=0.5", "moto[server]>=5",
+             "obstore>=0.6", "s3fs", "runai-model-streamer", "runai-model-streamer-s3")
+    if session.posargs[:1] == ["s3"]:  # nox -s bench -- s3 [bench_s3.py options]
+        session.run("python", str(ROOT / "benchmarks" / "bench_s3.py"), *session.posargs[1:])
+        return
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs)

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 from dcp_reader import CheckpointMetadata, ChunkMeta, NativeWriter, TensorMeta, chunk_key, open_checkpoint
-from dcp_reader._safetensors_file import read_header_at
+from dcp_reader.formats._safetensors_file import read_header_at
 from safetensors.torch import load_file, save_file
 
 MiB = 1024 * 1024

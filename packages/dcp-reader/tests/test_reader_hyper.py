@@ -193,7 +193,7 @@ def test_mindspore_style_files_and_dtype_names(tmp_path):
                                         ("BFloat16", "bfloat16"), ("Float8E4M3FN", "float8_e4m3fn"),
                                         ("UInt8", "uint8"), ("Bool", "bool"), ("Complex64", "complex64")])
 def test_dtype_names(dtype, name):
-    from dcp_reader._hyper import neutral_dtype
+    from dcp_reader.formats._hyper import neutral_dtype
 
     assert neutral_dtype(dtype, path="p", fqn="x") == name
 

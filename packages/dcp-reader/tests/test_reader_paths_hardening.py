@@ -128,7 +128,7 @@ def test_symlink_inside_the_directory_still_reads(tmp_path):
 
 
 def test_metadata_reads_are_bounded(tmp_path):
-    from dcp_reader._paths import read_regular
+    from dcp_reader.storage._paths import read_regular
 
     (tmp_path / "big").write_bytes(b"x" * 1000)
     with pytest.raises(UnsafePathError, match="1000 bytes, more than the 999"):

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 from dcp_reader import TruncatedFileError, open_checkpoint
-from dcp_reader._scatter import _IOV_MAX, MAX_GAP, pread_runs
+from dcp_reader.storage._scatter import _IOV_MAX, MAX_GAP, pread_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -31,7 +31,7 @@ from dcp_reader import (
     open_checkpoint,
 )
 from dcp_reader._dtypes import itemsize
-from dcp_reader._torch_save_zip import HEAD, TAIL, CannotNarrow, parse_blob
+from dcp_reader.formats._torch_save_zip import HEAD, TAIL, CannotNarrow, parse_blob
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

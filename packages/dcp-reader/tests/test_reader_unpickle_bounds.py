@@ -79,7 +79,7 @@ def test_real_metadata_still_loads(tmp_path):
 
 
 def test_subclass_extends_the_allow_list():
-    from dcp_reader._torch_dcp import _RestrictedUnpickler
+    from dcp_reader.formats._torch_dcp import _RestrictedUnpickler
 
     class Extra(_RestrictedUnpickler):
         allowed = {**_RestrictedUnpickler.allowed, ("builtins", "complex"): complex}

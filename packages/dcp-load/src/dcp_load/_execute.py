@@ -50,8 +50,10 @@ class ExecuteStats:
 class _ReadAhead(threading.Thread):
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
-                 on_read: Callable[[int], None] | None = None):
+                 on_read: Callable[[int], None] | None = None, positions: Sequence[int] | None = None):
         super().__init__(name="dcp-load-read-ahead", daemon=True)
+        # the plan positions of ``reads`` (default 0, 1, ...): several threads may share a plan
+        self.positions = range(len(reads)) if positions is None else positions
         self.on_read = on_read  # told each piece's bytes once it is in place (progress)
         self.reader, self.reads, self.targets, self.events = reader, reads, targets, events
         self.staged = staged  # read position -> staging tensor to read into instead of the target
@@ -64,7 +66,7 @@ class _ReadAhead(threading.Thread):
         start = time.perf_counter()
         tensors = self.reader.metadata.tensors
         try:
-            for position, item in enumerate(self.reads):
+            for position, item in zip(self.positions, self.reads, strict=True):
                 if self.stop.is_set():
                     break
                 target = self.targets[item.name]
@@ -87,10 +89,80 @@ class _ReadAhead(threading.Thread):
                     event.set()
         finally:
             # Release every waiter: after a failure the broadcasts still run (with whatever
-            # the destination holds) so that no other rank hangs in a collective.
-            for event in self.events.values():
-                event.set()
+            # the destination holds) so that no other rank hangs in a collective. A thread
+            # that finished its own reads leaves the other threads' events alone.
+            failed = bool(self.errors) or self.stop.is_set()
+            for position, event in self.events.items():
+                if failed or position in self.positions:
+                    event.set()
             self.seconds = time.perf_counter() - start
+
+
+#: Pieces read at once from an object store by one rank (each on its own thread and
+#: reader; each piece's GETs run in parallel too): a piece's latency (20-50 ms per GET)
+#: would otherwise be paid once per piece, one after the other.
+def remote_readers(reader: Any, reads: Sequence[ReadItem]) -> int:
+    """Threads to read ``reads`` with: ``DCP_STORAGE_READERS`` (default 8) when the
+    checkpoint is in an object store, else 1."""
+    from dcp_reader.storage import ObjectOptions, is_uri
+
+    if len(reads) < 2 or not is_uri(getattr(reader, "path", None)) or not hasattr(reader, "sibling"):
+        return 1
+    return max(1, min(ObjectOptions.from_env().readers, len(reads)))
+
+
+class _ReadAheads:
+    """``_ReadAhead`` on ``n`` threads, the plan's pieces dealt round robin (so that they
+    finish about in the plan's order, which the broadcasts follow), each with its own
+    sibling reader; one thread and the caller's reader when ``n`` is 1."""
+
+    def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
+                 events: Mapping[int, threading.Event], staged: Mapping[int, Any],
+                 on_read: Callable[[int], None] | None, n: int):
+        self.readers = [reader] + [reader.sibling() for _ in range(n - 1)]
+        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n))
+                        for k, r in enumerate(self.readers)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    @property
+    def stop(self) -> Any:
+        return _StopAll(self.threads)
+
+    def join(self) -> None:
+        try:
+            for t in self.threads:
+                if t.ident is not None:
+                    t.join()
+        finally:
+            for r in self.readers[1:]:
+                r.close()
+
+    def bytes_read(self, before: int) -> int:
+        return self.readers[0].bytes_read - before + sum(r.bytes_read for r in self.readers[1:])
+
+    @property
+    def done(self) -> int:
+        return sum(t.done for t in self.threads)
+
+    @property
+    def seconds(self) -> float:
+        return max(t.seconds for t in self.threads)
+
+    @property
+    def errors(self) -> list[str]:
+        return [e for t in self.threads for e in t.errors]
+
+
+class _StopAll:
+    def __init__(self, threads: Sequence[_ReadAhead]):
+        self.threads = threads
+
+    def set(self) -> None:
+        for t in self.threads:
+            t.stop.set()
 
 
 def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str) -> None:
@@ -264,7 +336,8 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     ``on_read(nbytes)`` is called on the read-ahead thread after each piece is in place.
     """
     reads = plan.reads_for(rank)
-    threads = 1 if plan.broadcasts or not hasattr(reader, "sibling") else read_threads(reads, targets)
+    remote = remote_readers(reader, reads)
+    threads = 1 if plan.broadcasts or not hasattr(reader, "sibling") else max(remote, read_threads(reads, targets))
     if threads > 1:
         stats = _read_in_parallel(reader, reads, targets, threads, on_read)
         platform.synchronize()
@@ -276,7 +349,7 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
                                                  sched.staged_at)
 
     before = reader.bytes_read
-    thread = _ReadAhead(reader, reads, targets, events, staged_at, on_read)
+    thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote)
     thread.start()
     broadcasts = sent = received = 0
     t0 = time.perf_counter()
@@ -306,7 +379,7 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     logger.debug("rank %d: read %d piece(s) in %.4f s on the read-ahead thread; %d broadcast(s) "
                  "in %.4f s", platform.rank(), thread.done, thread.seconds, broadcasts, bcast_s)
     return ExecuteStats(
-        pieces_read=thread.done, bytes_read=reader.bytes_read - before, broadcasts=broadcasts,
+        pieces_read=thread.done, bytes_read=thread.bytes_read(before), broadcasts=broadcasts,
         bytes_sent=sent, bytes_received=received, read_seconds=thread.seconds,
         broadcast_seconds=bcast_s, errors=tuple(thread.errors),
     )

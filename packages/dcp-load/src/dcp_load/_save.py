@@ -32,6 +32,7 @@ from ._errors import LoadError
 from ._flat_target import check_overlaps
 from ._load import resolve_platform
 from ._plan import GreedyPlanner, ReadItem
+from ._shared_open import is_uri
 from ._state import flatten_state_dict, is_tensor
 from ._targets import in_mesh, target_for
 from ._validate import check_launch, exchange, summarise
@@ -127,7 +128,8 @@ def save(
     if timeout is not None:
         timeout_seconds(timeout, "save")  # refuse a bad value before anything else
     start = time.perf_counter()
-    path = os.path.abspath(os.fspath(checkpoint_id))
+    path = os.fspath(checkpoint_id)
+    path = path if is_uri(path) else os.path.abspath(path)  # s3://bucket/prefix: an object store
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
     wait_s = timeout_seconds(timeout, "save", platform)

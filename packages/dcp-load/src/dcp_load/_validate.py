@@ -173,6 +173,8 @@ def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
     """
     errors: list[str] = []
     tensors = reader.metadata.tensors
+    if hasattr(reader, "prefetch"):  # an object store opens its files in parallel
+        reader.prefetch([tensors[i.name].chunks[i.chunk].file for i in items])
     seen: set[tuple[str, int]] = set()
     for item in items:
         if (item.name, item.chunk) in seen:

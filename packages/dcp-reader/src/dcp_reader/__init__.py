@@ -1,7 +1,6 @@
 """dcp-reader: safe readers for distributed checkpoints (native, Hugging Face safetensors,
 torch.distributed.checkpoint, hyper-parallel) with narrowed reads of saved chunks."""
 
-from ._detect import detect_format
 from ._errors import (
     CheckpointError,
     ChecksumError,
@@ -10,19 +9,22 @@ from ._errors import (
     MissingFileError,
     MissingKeyError,
     MissingMetadataError,
+    StorageAuthError,
+    StorageError,
     TruncatedFileError,
     UnknownDtypeError,
     UnsafePathError,
     UnsafePickleError,
 )
-from ._hyper import is_rank_local
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._native import METADATA_FILE, chunk_key, data_file_name, stray_files, values_file_name
 from ._reader import CheckpointReader, open_checkpoint
 from ._save_lock import WriterLock, WriterLockError
 from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
 from ._writer import EncodedValues, NativeWriter
+from .formats._detect import detect_format
+from .formats._hyper import is_rank_local
+from .formats._native import METADATA_FILE, chunk_key, data_file_name, stray_files, values_file_name
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -56,5 +58,7 @@ __all__ = [
     "CoverageError",
     "UnsafePathError",
     "UnsafePickleError",
+    "StorageError",
+    "StorageAuthError",
     "__version__",
 ]

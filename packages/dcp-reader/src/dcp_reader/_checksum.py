@@ -23,7 +23,7 @@ from typing import Any
 
 from ._errors import ChecksumError, MetadataError
 from ._hash_worker import HashWorker, Job
-from ._pread import pread_into
+from .storage._pread import pread_into
 
 ALGORITHM = "xxh3-64"
 BLOCK_BYTES = 4 * 1024 * 1024
@@ -100,7 +100,7 @@ class BlockSums:
         self.verified.add(i)
 
 
-def read_verified(fd: int, buf: Any, file_offset: int, start: int, sums: BlockSums, *,
+def read_verified(fd: int | Any, buf: Any, file_offset: int, start: int, sums: BlockSums, *,
                   worker: HashWorker | None, path: str, key: str, name: str) -> None:
     """Fill ``buf`` with the chunk's bytes from ``start`` (a block boundary), found at
     ``file_offset`` in the file, and verify every block not verified yet before returning
@@ -115,6 +115,15 @@ def read_verified(fd: int, buf: Any, file_offset: int, start: int, sums: BlockSu
 
     view = memoryview(buf).cast("B")
     first = start // sums.block
+    if not isinstance(fd, int):
+        # An object: one ranged fetch of the whole span (its GETs run in parallel), then
+        # each block is hashed; reading piece by piece would cost a round trip per MiB.
+        pread_into(fd, view, file_offset, path=path, key=key)
+        for lo in range(0, len(view), sums.block):
+            if first + lo // sums.block not in sums.verified:
+                block = view[lo:lo + sums.block]
+                sums.check(first + lo // sums.block, _xxh3(block), len(block), path=path, key=key, name=name)
+        return
     todo = [lo for lo in range(0, len(view), sums.block) if first + lo // sums.block not in sums.verified]
     mine: list[tuple[int, int, int]] = []  # (block, digest, size) hashed here
     jobs: list[Job] = []

@@ -91,3 +91,13 @@ def summarise(items: Sequence[str], limit: int = 10) -> str:
     if len(items) > limit:
         shown += f"; ... and {len(items) - limit} more"
     return shown
+
+
+class StorageError(CheckpointError):
+    """The storage did not deliver: an object store kept failing (5xx, resets, stalls, short
+    bodies) past the retry bound, or refused a request. ``path`` names the object's URI."""
+
+
+class StorageAuthError(StorageError):
+    """The object store refused the credentials (wrong key, expired token, no access to the
+    bucket); the message names the endpoint and the bucket."""

@@ -12,7 +12,6 @@ from collections import OrderedDict
 from typing import Any
 
 from ._checksum import BlockSums
-from ._detect import detect_format
 from ._dtypes import numpy_dtype, to_safetensors, torch_dtype_name
 from ._errors import (
     CheckpointError,
@@ -23,18 +22,21 @@ from ._errors import (
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hash_worker import HashWorker
-from ._hf import load_hf
-from ._hyper import FORMAT as HYPER_FORMAT
-from ._hyper import load_hyper
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
-from ._native import load_native
-from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
-from ._safetensors_file import SafetensorsFile
-from ._torch_dcp import load_blob, load_torch_dcp
-from ._torch_save_box import BlobLayouts, read_box, read_box_into
-from ._torch_save_zip import BlobTensor
-from ._unpickle import memo_problem
 from ._value_sums import check_bytes, check_value
+from .formats._detect import detect_format
+from .formats._hf import load_hf
+from .formats._hyper import FORMAT as HYPER_FORMAT
+from .formats._hyper import load_hyper
+from .formats._native import load_native
+from .formats._safetensors_file import SafetensorsFile
+from .formats._torch_dcp import load_blob, load_torch_dcp
+from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
+from .formats._torch_save_zip import BlobTensor
+from .formats._unpickle import memo_problem
+from .storage._files import close_fd, fd_size, in_parallel, pread_bytes
+from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
+from .storage._uri import is_uri, real_root
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +47,12 @@ class _RawFile:
     def __init__(self, root_real: str, name: str, key: str | None):
         self.fd = open_regular(root_real, name, key=key)
         self.path = os.path.join(root_real, name)
-        self.size = os.fstat(self.fd).st_size
+        self.size = fd_size(self.fd)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd is not None:
+            close_fd(self.fd)
+            self.fd = None
 
 
 class CheckpointReader:
@@ -131,6 +133,30 @@ class CheckpointReader:
             _, old = self._files.popitem(last=False)
             old.close()
         return f
+
+    def prefetch(self, files: list[str]) -> None:
+        """Open ``files`` at once (object stores: their HEAD and header requests run in
+        parallel instead of one after the other); a no-op for a directory. A file that
+        fails to open is left out: opening it again when it is read reports why."""
+        todo = [f for f in dict.fromkeys(files) if f not in self._files][:self._max_open]
+        if not is_uri(self.path) or len(todo) < 2:
+            return
+        key = {c.file: n for n, t in self.metadata.tensors.items() for c in t.chunks}
+
+        def open_one(name: str) -> Any:
+            try:
+                return self._new_file(name, key.get(name))
+            except CheckpointError:
+                return None  # reported by the open at read time, with its own message
+
+        for name, f in zip(todo, in_parallel(self.path, open_one, todo), strict=True):
+            if f is not None:
+                self._files[name] = f
+                if len(self._files) > self._max_open:
+                    self._files.popitem(last=False)[1].close()
+
+    def _new_file(self, name: str, key: str | None) -> Any:
+        return _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
 
     # -- tensors ---------------------------------------------------------------------------
     def _box(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]
@@ -346,15 +372,15 @@ class CheckpointReader:
         offset, length = storage
         fd = open_regular(self.path, file, key=name)
         try:
-            size = os.fstat(fd).st_size
+            size = fd_size(fd)
             path = os.path.join(self.path, file)
             if offset + length > size:
                 raise TruncatedFileError(f"value {name!r} is stored at bytes [{offset}, {offset + length}) but the "
                                          f"file has {size} bytes; the file is truncated: re-copy it", path=path,
                                          key=name)
-            raw = os.pread(fd, length, offset)
+            raw = pread_bytes(fd, length, offset, path=path, key=name)
         finally:
-            os.close(fd)
+            close_fd(fd)
         return _trusted_pickle(raw, path, name)
 
     def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
@@ -452,18 +478,29 @@ def _load_metadata(root: str, fmt: str, rank: int | None) -> CheckpointMetadata:
 
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
                     max_open_files: int = 64, verify_checksums: bool = True,
-                    rank: int | None = None) -> CheckpointReader:
+                    rank: int | None = None, metadata: CheckpointMetadata | None = None) -> CheckpointReader:
     """Open a checkpoint directory: detect (or take) its format, read and validate its
     metadata (file names, existence, coverage), and return a reader. ``verify_checksums``:
     check the block checksums (native format) of every block a read touches. Every problem with the
     checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments.
 
     ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
-    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise."""
+    one ``{rank}.metadata`` per rank), the rank whose metadata to read; ignored otherwise.
+
+    ``path``: a directory, or an object-store URI (``s3://bucket/prefix``; ``gs://``, ``az://``)
+    read through ranged GETs (dcp-reader README, "Object storage").
+    ``metadata``: the checkpoint's metadata as another process read it (its ``to_json``
+    round trip): nothing is listed or read to open the reader, so that of N ranks only one
+    lists a bucket and reads the index."""
     t0 = time.perf_counter()
-    root = os.path.realpath(os.fspath(path))
+    root = real_root(path)
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS} or None (detect), got {format!r}")
+    if metadata is not None:
+        if not isinstance(metadata, CheckpointMetadata):
+            raise TypeError(f"metadata must be a CheckpointMetadata or None, got {type(metadata).__name__}")
+        return CheckpointReader(root, metadata, allow_pickle=allow_pickle, max_open_files=max_open_files,
+                                verify_checksums=verify_checksums)
     try:
         fmt = detect_format(root) if format is None else format
         meta = _load_metadata(root, fmt, rank)

@@ -133,3 +133,15 @@ class WriterLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+class NoLock:
+    """The lock of a store that has none (an object store): takes nothing, records nothing."""
+
+    previous: dict[str, Any] | None = None
+
+    def committed(self) -> None:
+        """Nothing to record."""
+
+    def release(self) -> None:
+        """Nothing to drop."""

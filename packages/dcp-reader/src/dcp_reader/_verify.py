@@ -6,13 +6,15 @@ import os
 import time
 from dataclasses import dataclass
 
-from ._detect import detect_format
 from ._errors import CheckpointError, MissingFileError, summarise
 from ._model import CheckpointMetadata
-from ._native import load_native, stray_files
-from ._paths import METADATA_LIMIT, read_regular
 from ._reader import CheckpointReader, open_checkpoint
 from ._value_sums import check_bytes, check_value
+from .formats._detect import detect_format
+from .formats._native import load_native, stray_among, stray_files
+from .storage._object import ObjectStorage
+from .storage._paths import METADATA_LIMIT, read_regular
+from .storage._uri import is_uri
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
         if r.format == "native":
             problems.extend(f"stray file {n!r}: the metadata does not name it (left by an earlier or killed save, "
                             "or written by a save in progress); the next save into this directory removes it, "
-                            "or delete it" for n in stray_files(r.path, meta))
+                            "or delete it" for n in _strays(r.path, meta))
         return VerifyReport(path=r.path, format=r.format, tensors=len(meta.tensors), chunks=chunks,
                             chunks_with_checksums=with_sums, bytes_verified=verified,
                             seconds=time.perf_counter() - t0, problems=tuple(problems),
@@ -100,6 +102,12 @@ def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointR
         if fmt != "native":
             return None, list(e.offenders), fmt
         return CheckpointReader(root, load_native(root)), list(e.offenders), fmt
+
+
+def _strays(root: str, meta: CheckpointMetadata) -> list[str]:
+    if is_uri(root):
+        return stray_among(ObjectStorage(root).names(), meta)
+    return stray_files(root, meta)
 
 
 def _missing_lines(meta: CheckpointMetadata, missing: list[str]) -> list[str]:

@@ -17,12 +17,14 @@ from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
 from ._errors import UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
-from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE, stray_files
-from ._paths import check_files, check_name
-from ._safetensors_file import read_header_at
-from ._save_lock import WriterLock
+from ._save_lock import NoLock, WriterLock
 from ._value_sums import bytes_checksum, canonical_json, value_checksum
 from ._values import decode_value, is_storable_value
+from .formats._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE, stray_among, stray_files
+from .formats._safetensors_file import read_header_at
+from .storage._object import ObjectStorage
+from .storage._paths import check_files, check_name
+from .storage._uri import is_uri, real_root
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_write(final: str, chunks: list[Any]) -> int:
+    if is_uri(final):  # one PUT, or a multipart upload: the object appears whole or not at all
+        root, _, name = final.rpartition("/")
+        return ObjectStorage(root).put(name, chunks)
     tmp = f"{final}.tmp-{os.getpid()}"
     n = 0
     try:
@@ -174,14 +179,18 @@ class NativeWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
-        self.path = os.path.abspath(os.fspath(path))
+        # an object store (s3://bucket/prefix): files go up with storage.put, see _atomic_write
+        self.path = real_root(path) if is_uri(os.fspath(path)) else os.path.abspath(os.fspath(path))
         self.allow_pickle = bool(allow_pickle)
-        os.makedirs(self.path, exist_ok=True)
+        if not is_uri(self.path):
+            os.makedirs(self.path, exist_ok=True)
 
     def _target(self, file_name: str) -> str:
         name = check_name(file_name, root=self.path)
         if name == METADATA_FILE:
             raise ValueError(f"file_name {file_name!r} is reserved for the metadata")
+        if is_uri(self.path):
+            return f"{self.path}/{name}"
         full = os.path.join(self.path, name)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         return full
@@ -269,14 +278,20 @@ class NativeWriter:
     def lock(self, note: Mapping[str, Any] | None = None) -> WriterLock:
         """Take the directory's single-writer lock (``WriterLockError`` naming the holder
         when another process writes into it); release it after ``commit``. ``note``: added
-        to the record the next writer reads as ``WriterLock.previous``."""
+        to the record the next writer reads as ``WriterLock.previous``. An object store has
+        no locks: there the save goes ahead unlocked (see the README)."""
+        if is_uri(self.path):
+            return NoLock()
         return WriterLock(self.path, note).acquire()
 
     def discard(self, file_names: Iterable[str]) -> None:
         """Remove files this save wrote (after a failure, before ``commit``); best effort."""
         for name in file_names:
             try:
-                os.unlink(self._target(name))
+                if is_uri(self.path):
+                    ObjectStorage(self.path).delete(name)
+                else:
+                    os.unlink(self._target(name))
             except OSError:
                 pass  # already gone or unreachable: the next save's remove_stray takes it
 
@@ -285,6 +300,12 @@ class NativeWriter:
         and temporary files) that ``metadata`` does not refer to, left by an earlier save or
         a killed one. Other files are never touched. Returns the names removed."""
         removed = []
+        if is_uri(self.path):
+            store = ObjectStorage(self.path)
+            for name in stray_among(store.names(), metadata):
+                store.delete(name)
+                removed.append(name)
+            return removed
         for name in stray_files(os.path.realpath(self.path), metadata):
             try:
                 os.unlink(os.path.join(self.path, name))
@@ -300,6 +321,9 @@ class NativeWriter:
 
     def invalidate(self) -> None:
         """Remove a committed metadata file (rank 0, before any rank writes new data)."""
+        if is_uri(self.path):
+            ObjectStorage(self.path).delete(METADATA_FILE)
+            return
         try:
             os.unlink(os.path.join(self.path, METADATA_FILE))
         except FileNotFoundError:
@@ -317,7 +341,7 @@ class NativeWriter:
             raise ValueError(f"metadata.format must be 'native' for NativeWriter, got {metadata.format!r}")
         files = [(c.file, name) for name, t in metadata.tensors.items() for c in t.chunks]
         files += [(v.file, name) for name, v in metadata.values.items() if v.file is not None]
-        root = os.path.realpath(self.path)
+        root = real_root(self.path)
         check_files(root, files)
         metadata = with_checksums(root, metadata)
         _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])

@@ -7,7 +7,8 @@ import posixpath
 import stat
 from collections.abc import Iterable
 
-from ._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
+from .._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
+from ._uri import is_uri
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (a hang); on a
 # regular file it changes nothing. O_NOFOLLOW: the path is already resolved, so a symlink
@@ -75,6 +76,8 @@ def open_regular(root_real: str, name: str, *, key: str | None = None) -> int:
     """A read-only fd of ``name`` inside ``root_real``, refused (UnsafePathError) unless it is
     a regular file resolving inside the directory; checked with ``stat`` BEFORE opening (a
     FIFO or device is never opened) and again on the fd. MissingFileError when absent."""
+    if is_uri(root_real):
+        return object_storage(root_real).open(name, key=key)
     real = resolve(root_real, name, key=key)
     try:
         st = os.stat(real)
@@ -110,6 +113,8 @@ def read_regular(root_real: str, name: str, *, limit: int, key: str | None = Non
     """The whole content of a small file (metadata, index) opened with ``open_regular``;
     refused (UnsafePathError) when larger than ``limit`` bytes, so a
     corrupt or hostile file never makes the reader allocate more than that."""
+    if is_uri(root_real):
+        return object_storage(root_real).read_small(name, limit=limit, key=key)
     fd = open_regular(root_real, name, key=key)
     try:
         size = os.fstat(fd).st_size
@@ -130,7 +135,10 @@ def read_regular(root_real: str, name: str, *, limit: int, key: str | None = Non
 def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None:
     """Check many (file name, key) pairs at once, collecting every offender: unsafe names
     (UnsafePathError), then missing files (MissingFileError), then symlinks out. Costs one
-    directory listing per directory, not a stat per file."""
+    directory listing per directory, not a stat per file (an object store: one listing)."""
+    if is_uri(root_real):
+        object_storage(root_real).check_files(names)
+        return
     by_name: dict[str, str | None] = {}
     for name, key in names:
         by_name.setdefault(name, key)
@@ -191,3 +199,9 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
         raise UnsafePathError(f"{len(outside)} file(s) resolve outside the checkpoint directory: "
                               f"{summarise([e.message for e in outside])}", path=root_real,
                               key=outside[0].key, offenders=[e.path or "" for e in outside])
+
+
+def object_storage(root: str):  # noqa: ANN201 - ObjectStorage, imported late (it imports this module)
+    from ._object import ObjectStorage
+
+    return ObjectStorage(root)

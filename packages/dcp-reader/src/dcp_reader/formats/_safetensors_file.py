@@ -10,14 +10,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ._checksum import BlockSums, read_verified
-from ._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
-from ._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
-from ._hash_worker import HashWorker
-from ._json import load_json
-from ._paths import open_regular
-from ._pread import pread_into
-from ._scatter import pread_runs
+from .._checksum import BlockSums, read_verified
+from .._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
+from .._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
+from .._hash_worker import HashWorker
+from .._json import load_json
+from ..storage._files import close_fd, fd_size, pread_bytes
+from ..storage._paths import open_regular
+from ..storage._pread import pread_into
+from ..storage._scatter import pread_runs
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)
 
@@ -45,11 +46,11 @@ def read_header(fd: int, file_size: int, name: str) -> Header:
     if file_size < 8:
         raise TruncatedFileError(f"{file_size} bytes is too short for a safetensors file (the 8-byte "
                                  "header length is missing); the file is truncated: re-copy it", path=name)
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    (n,) = struct.unpack("<Q", pread_bytes(fd, 8, 0, path=name))
     if n > file_size - 8 or n > _HEADER_LIMIT:
         raise TruncatedFileError(f"header length {n} runs past the end of the {file_size}-byte file; "
                                  "the file is truncated or not safetensors: re-copy it", path=name)
-    raw = os.pread(fd, n, 8)
+    raw = pread_bytes(fd, n, 8, path=name)
     if len(raw) != n:
         raise TruncatedFileError(f"read {len(raw)} of the {n}-byte header; the file shrank while being read",
                                  path=name)
@@ -105,9 +106,9 @@ def read_header_at(root_real: str, name: str) -> Header:
     file (metadata discovery for hf formats)."""
     fd = open_regular(root_real, name)
     try:
-        return read_header(fd, os.fstat(fd).st_size, os.path.join(root_real, name))
+        return read_header(fd, fd_size(fd), os.path.join(root_real, name))
     finally:
-        os.close(fd)
+        close_fd(fd)
 
 
 class SafetensorsFile:
@@ -117,9 +118,9 @@ class SafetensorsFile:
         self.path = os.path.join(root_real, name)
         self._fd = open_regular(root_real, name, key=key)
         try:
-            self.header = read_header(self._fd, os.fstat(self._fd).st_size, self.path)
+            self.header = read_header(self._fd, fd_size(self._fd), self.path)
         except BaseException:
-            os.close(self._fd)
+            close_fd(self._fd)
             raise
 
     def entry(self, key: str) -> Entry:
@@ -159,14 +160,13 @@ class SafetensorsFile:
         return np.ndarray(box.sizes, dtype=np_dtype, buffer=buf, offset=box.lo - lo, strides=box.strides)
 
     def _runs(self, e: Entry, box: _Box, np_dtype: Any, key: str) -> Any:
-        """A sparse box (a few columns of many rows): one read per contiguous run."""
+        """A sparse box (a few columns of many rows): its runs, scattered (``_scatter``; an
+        object fetches near runs with one GET)."""
         import numpy as np
 
         out = np.empty(box.nbytes, dtype=np.uint8)
-        run = box.run_bytes
-        base = self.header.data_start + e.start
-        for i, offset in enumerate(box.run_offsets()):
-            pread_into(self._fd, out[i * run:(i + 1) * run], base + offset, path=self.path, key=key)
+        pread_runs(self._fd, out, self.header.data_start + e.start, box.run_offsets(), box.run_bytes,
+                   path=self.path, key=key)
         return out.view(np_dtype).reshape(box.sizes)
 
     def read_into(self, key: str, slices: tuple[slice, ...], itemsize: int, out: Any, *,
@@ -223,9 +223,9 @@ class SafetensorsFile:
         return t.view(getattr(torch, dtype)) if t.dtype != getattr(torch, dtype) else t
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._fd is not None:
+            close_fd(self._fd)
+            self._fd = None
 
 
 class _Box:

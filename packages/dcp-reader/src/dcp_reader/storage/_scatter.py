@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ._errors import CheckpointError
+from .._errors import CheckpointError
 from ._pread import pread_into
 
 #: A gap between runs up to this many bytes is read into the scratch buffer within one call;
@@ -25,11 +25,16 @@ MAX_GAP = 16 * 1024
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
 
-def pread_runs(fd: int, out: Any, base: int, offsets: Iterable[int], run: int, *, path: str,
+def pread_runs(fd: int | Any, out: Any, base: int, offsets: Iterable[int], run: int, *, path: str,
                key: str | None) -> None:
     """Fill ``out`` (a writable contiguous buffer of ``n * run`` bytes) with the ``run`` bytes
     at file offset ``base + o`` for each ``o`` of ``offsets`` (ascending), in order.
-    TruncatedFileError/CheckpointError naming ``path`` and ``key`` as ``pread_into`` raises."""
+    TruncatedFileError/CheckpointError naming ``path`` and ``key`` as ``pread_into`` raises.
+    An open object (not a descriptor) fetches the runs through its store: near runs share
+    a GET, far ones are fetched in parallel."""
+    if not isinstance(fd, int):
+        fd.read_runs(out, base, offsets, run, key=key)
+        return
     view = memoryview(out).cast("B")
     group: list[int] = []  # offsets of the runs of the current call
     scratch = memoryview(bytearray(MAX_GAP))

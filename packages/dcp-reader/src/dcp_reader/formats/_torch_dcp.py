@@ -14,8 +14,8 @@ import io
 import os
 from typing import Any
 
-from ._dtypes import DTYPE_NAMES
-from ._errors import (
+from .._dtypes import DTYPE_NAMES
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingFileError,
@@ -24,9 +24,10 @@ from ._errors import (
     UnknownDtypeError,
     summarise,
 )
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import METADATA_LIMIT, check_files, read_regular, resolve
-from ._pread import pread_into
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ..storage._files import file_size
+from ..storage._paths import METADATA_LIMIT, check_files, read_regular
+from ..storage._pread import pread_into
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
 
 # Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.
@@ -130,7 +131,7 @@ def check_storage(root_real: str, stored: list[tuple[str, str, tuple[int, int]]]
     past: list[tuple[str, str]] = []
     overlap: list[tuple[str, str]] = []
     for file, ranges in by_file.items():
-        size = os.stat(resolve(root_real, file)).st_size
+        size = file_size(root_real, file, key=ranges[0][2] if ranges else None)
         ranges.sort()
         prev_end, prev_name = 0, None
         for start, end, name in ranges:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from ._dtypes import from_safetensors
-from ._errors import (
+from .._dtypes import from_safetensors
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingFileError,
@@ -15,9 +15,10 @@ from ._errors import (
     UnknownDtypeError,
     summarise,
 )
-from ._json import load_json
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta
-from ._paths import check_files, read_regular
+from .._json import load_json
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta
+from ..storage._files import in_parallel, lexists, listdir
+from ..storage._paths import check_files, read_regular
 from ._safetensors_file import Header, read_header_at
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,7 +31,7 @@ INDEX_LIMIT = 64 * 1024 * 1024
 def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
     """The data files of an HF-style checkpoint, and the index's weight map if any."""
     index = os.path.join(root_real, INDEX_FILE)
-    if os.path.lexists(index):  # lexists: a dangling link or a directory is reported, not skipped
+    if lexists(root_real, INDEX_FILE):  # lexists: a dangling link or a directory is reported, not skipped
         doc = load_json(read_regular(root_real, INDEX_FILE, limit=INDEX_LIMIT, key=INDEX_FILE), index,
                         "the index is corrupt: re-save or re-download it")
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
@@ -39,10 +40,9 @@ def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
                                 "index is corrupt: re-save or re-download it", path=index, key="weight_map")
         check_files(root_real, [(f, k) for k, f in wm.items()])
         return sorted(set(wm.values())), wm
-    if os.path.lexists(os.path.join(root_real, SINGLE_FILE)):
+    if lexists(root_real, SINGLE_FILE):
         return [SINGLE_FILE], None
-    files = sorted(e.name for e in os.scandir(root_real)
-                   if e.name.endswith(".safetensors") and not e.name.startswith("."))
+    files = sorted(n for n in listdir(root_real) if n.endswith(".safetensors") and not n.startswith("."))
     if not files:
         raise MissingFileError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file in the directory",
                                path=root_real)
@@ -73,8 +73,8 @@ def load_hf(root_real: str, *, sharded: bool) -> CheckpointMetadata:
     chunks: dict[str, list[ChunkMeta]] = {}
     dtypes: dict[str, tuple[str, str]] = {}
     problems: list[CheckpointError] = []
-    for f in files:
-        header = read_header_at(root_real, f)
+    headers = in_parallel(root_real, lambda f: read_header_at(root_real, f), files)
+    for f, header in zip(files, headers, strict=True):
         real = os.path.join(root_real, f)
         info = sharding_info(header, real) if sharded else None
         keys = wanted[f] if wanted is not None else list(header.entries)

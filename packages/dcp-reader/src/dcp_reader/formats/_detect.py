@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from ._errors import MissingMetadataError
+from .._errors import MissingMetadataError
+from ..storage._files import listdir
+from ..storage._uri import real_root
 from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
 from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import detect_hyper
@@ -17,9 +19,9 @@ from ._torch_dcp import METADATA_FILE as DCP_METADATA
 def detect_format(path: str | os.PathLike[str]) -> str:
     """"native", "hf", "torch-dcp-hf", "torch-dcp" or "hyper-parallel"; MissingMetadataError saying what was
     found when the directory holds no complete checkpoint. Reads at most one file header."""
-    root = os.path.realpath(os.fspath(path))
+    root = real_root(path)
     try:
-        names = set(os.listdir(root))
+        names = listdir(root)
     except FileNotFoundError:
         raise MissingMetadataError("the checkpoint directory does not exist", path=root) from None
     except NotADirectoryError:

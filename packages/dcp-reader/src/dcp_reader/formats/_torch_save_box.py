@@ -14,10 +14,10 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from ._dtypes import itemsize, numpy_bits_dtype
-from ._pread import pread_into
+from .._dtypes import itemsize, numpy_bits_dtype
+from ..storage._pread import pread_into
+from ..storage._scatter import pread_runs
 from ._safetensors_file import _Box
-from ._scatter import pread_runs
 from ._torch_save_zip import BlobTensor, CannotNarrow, parse_blob
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,7 @@ def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...]
         box = _Box(t.shape, width, slices)
         if not (box.contiguous or box.hi - box.lo <= 2 * box.nbytes):
             out = np.empty(box.nbytes, dtype=np.uint8)  # sparse: a few columns of many rows
-            run = box.run_bytes
-            for i, offset in enumerate(box.run_offsets()):
-                pread_into(fd, out[i * run:(i + 1) * run], base + offset, path=path, key=key)
+            pread_runs(fd, out, base, box.run_offsets(), box.run_bytes, path=path, key=key)
             return out.view(np_dtype).reshape(sizes), box.nbytes
         strides = box.strides
     else:

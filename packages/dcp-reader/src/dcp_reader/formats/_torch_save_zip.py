@@ -32,9 +32,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ._dtypes import DTYPE_NAMES, itemsize
-from ._errors import CheckpointError, MetadataError
-from ._pread import pread_into
+from .._dtypes import DTYPE_NAMES, itemsize
+from .._errors import CheckpointError, MetadataError
+from ..storage._pread import pread_into
 from ._unpickle import _TORCH_DTYPES, _Dtype, _RestrictedUnpickler, counted
 
 # First and last bytes of a blob read to find its index. torch.save's data.pkl and the

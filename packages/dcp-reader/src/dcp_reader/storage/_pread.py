@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._errors import CheckpointError, TruncatedFileError
+from .._errors import CheckpointError, TruncatedFileError
 
 _MAX_CALL = 1 << 30  # bytes per preadv call: Linux transfers at most ~2 GiB per call anyway
 
 
-def pread_into(fd: int, buf: Any, offset: int, *, path: str, key: str | None) -> None:
+def pread_into(fd: int | Any, buf: Any, offset: int, *, path: str, key: str | None) -> None:
     """Fill the writable buffer ``buf`` with the file's bytes from ``offset``; TruncatedFileError
-    naming ``path`` and ``key`` when the file ends first."""
+    naming ``path`` and ``key`` when the file ends first. ``fd``: a descriptor, or an open
+    object (``ObjectFile``), which reads through its store."""
+    if not isinstance(fd, int):
+        fd.read_into(buf, offset, key=key)
+        return
     view = memoryview(buf).cast("B")
     done, total = 0, len(view)
     while done < total:

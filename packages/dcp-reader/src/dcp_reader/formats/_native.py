@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 
-from ._errors import CheckpointError, MissingFileError, MissingMetadataError
-from ._model import CheckpointMetadata
-from ._paths import METADATA_LIMIT, read_regular
+from .._errors import CheckpointError, MissingFileError, MissingMetadataError
+from .._model import CheckpointMetadata
+from ..storage._paths import METADATA_LIMIT, read_regular
 
 METADATA_FILE = "dcp-metadata.json"
 # Written into every native data file's safetensors __metadata__, so a directory of data
@@ -49,13 +50,18 @@ def stray_files(root: str, metadata: CheckpointMetadata) -> list[str]:
     files) but ``metadata`` does not refer to: left by an earlier, larger save, by a killed
     save, or being written by a save in progress. Sorted; [] when the directory cannot be
     listed."""
-    named = {c.file for t in metadata.tensors.values() for c in t.chunks}
-    named |= {v.file for v in metadata.values.values() if v.file is not None}
     try:
         with os.scandir(root) as it:
             names = [e.name for e in it if e.is_file(follow_symlinks=False)]
     except OSError:
         return []
+    return stray_among(names, metadata)
+
+
+def stray_among(names: Iterable[str], metadata: CheckpointMetadata) -> list[str]:
+    """Of the top-level file (or object) ``names``, those ``stray_files`` reports. Sorted."""
+    named = {c.file for t in metadata.tensors.values() for c in t.chunks}
+    named |= {v.file for v in metadata.values.values() if v.file is not None}
     return sorted(n for n in names if n not in named and n != METADATA_FILE and _OWN_FILE_RE.fullmatch(n))
 
 
@@ -79,7 +85,7 @@ def load_native(root_real: str) -> CheckpointMetadata:
     except CheckpointError as e:
         raise e.with_path(path) from None
     if meta.format != "native":
-        from ._errors import MetadataError
+        from .._errors import MetadataError
 
         raise MetadataError(f"format is {meta.format!r}, expected 'native'", path=path, key="format")
     return meta

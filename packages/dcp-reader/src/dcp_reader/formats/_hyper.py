@@ -24,11 +24,12 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import os
+import posixpath
 import re
 from typing import Any
 
-from ._dtypes import DTYPE_NAMES
-from ._errors import (
+from .._dtypes import DTYPE_NAMES
+from .._errors import (
     CheckpointError,
     MetadataError,
     MissingMetadataError,
@@ -36,8 +37,10 @@ from ._errors import (
     UnsafePickleError,
     summarise,
 )
-from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import METADATA_LIMIT, check_files, read_regular
+from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ..storage._files import close_fd, lexists, listdir, pread_bytes
+from ..storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
+from ..storage._uri import is_uri, parent
 from ._unpickle import _record_class, _RestrictedUnpickler
 
 FORMAT = "hyper-parallel"
@@ -110,7 +113,7 @@ def neutral_dtype(dtype: Any, *, path: str, fqn: str) -> str:
 
 def rank_metadata_files(root_real: str, names: set[str] | None = None) -> list[str]:
     """The per-rank ``{rank}.metadata`` files of a directory, by rank."""
-    names = set(os.listdir(root_real)) if names is None else names
+    names = listdir(root_real) if names is None else names
     found = [(int(m.group(1)), n) for n in names if (m := _RANK_METADATA.fullmatch(n))]
     return [n for _, n in sorted(found)]
 
@@ -121,9 +124,8 @@ def detect_hyper(root_real: str, names: set[str]) -> bool:
         if any(n.endswith(".distcp") for n in names):
             return False
         try:
-            with open(os.path.join(root_real, METADATA_FILE), "rb") as f:
-                head = f.read(4096)  # the pickle names Metadata's module first
-        except OSError:  # unreadable: let the torch-dcp reader (or the data files) decide
+            head = _head(root_real, METADATA_FILE, 4096)  # the pickle names Metadata's module first
+        except (OSError, CheckpointError):  # unreadable: let the torch-dcp reader (or the data files) decide
             head = b""
         return _MARKER in head or any(_RANK_DATA.fullmatch(n) for n in names)
     if rank_metadata_files(root_real, names):
@@ -141,7 +143,14 @@ def is_rank_local(path: str | os.PathLike[str]) -> bool:
     """True when the directory holds only per-rank ``{rank}.metadata`` (a hyper-parallel save
     without collectives): each rank must open it with ``rank=`` and load without collectives.
     Decided from the directory listing alone, which every rank sees alike; False when the
-    directory cannot be listed (opening it then reports why)."""
+    directory cannot be listed (opening it then reports why). In an object store, where
+    every rank would list the bucket, two HEAD requests decide instead (``0.metadata``, then
+    ``.metadata``): no listing."""
+    if is_uri(path):
+        try:
+            return lexists(path, f"0{METADATA_FILE}") and not lexists(path, METADATA_FILE)
+        except CheckpointError:
+            return False
     try:
         names = set(os.listdir(os.fspath(path)))
     except OSError:
@@ -149,8 +158,17 @@ def is_rank_local(path: str | os.PathLike[str]) -> bool:
     return METADATA_FILE not in names and bool(rank_metadata_files("", names))
 
 
+def _head(root_real: str, name: str, n: int) -> bytes:
+    """The first ``n`` bytes of a file inside the checkpoint (fewer when it is shorter)."""
+    fd = open_regular(root_real, name, key=name)
+    try:
+        return pread_bytes(fd, n, 0, path=name, key=name)
+    finally:
+        close_fd(fd)
+
+
 def _metadata_path(root_real: str, rank: int | None) -> str:
-    if os.path.exists(os.path.join(root_real, METADATA_FILE)):
+    if lexists(root_real, METADATA_FILE):
         return os.path.join(root_real, METADATA_FILE)
     per_rank = rank_metadata_files(root_real)
     if rank is None:
@@ -172,7 +190,7 @@ def _unpickle(path: str) -> Any:
     try:
         # a regular file inside the directory, at most METADATA_LIMIT bytes (no FIFO, no
         # symlink out, no /dev/zero), then the bounded restricted unpickler
-        raw = read_regular(os.path.dirname(path), os.path.basename(path), limit=METADATA_LIMIT)
+        raw = read_regular(parent(path), posixpath.basename(path), limit=METADATA_LIMIT)
         md = _HyperUnpickler(io.BytesIO(raw), path).load()
     except CheckpointError:
         raise

@@ -30,8 +30,8 @@ import pickletools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ._dtypes import DTYPE_NAMES
-from ._errors import MetadataError, UnsafePickleError
+from .._dtypes import DTYPE_NAMES
+from .._errors import MetadataError, UnsafePickleError
 
 _DCP = "torch.distributed.checkpoint"
 
