@@ -1,8 +1,10 @@
 """dcp-load: load distributed checkpoints with resharding, read-once and batched broadcasts."""
 
+from ._convert import ConvertReport, convert
 from ._errors import LoadError
 from ._load import DEFAULT_BATCH_BYTES, load
 from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
+from ._read_state_dict import read_state_dict
 from ._report import LoadReport
 from ._save import SaveReport, save
 from ._state import Chunk
@@ -11,6 +13,7 @@ from ._version import __version__
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Chunk",
+    "ConvertReport",
     "GlobalPlan",
     "GreedyPlanner",
     "LoadError",
@@ -20,6 +23,8 @@ __all__ = [
     "SaveReport",
     "__version__",
     "build_global_plan",
+    "convert",
     "load",
+    "read_state_dict",
     "save",
 ]

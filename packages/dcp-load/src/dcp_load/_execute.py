@@ -18,7 +18,9 @@ raises on every rank after a final exchange of errors. The thread is joined on e
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -100,12 +102,51 @@ def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: A
     adapter's copy. Block checksums are verified by the rank that fetches a box for its
     host, not again by the ranks that re-read it from that host's page cache."""
     verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
-    if target.adapter.name == "torch" and target.dtype == saved_dtype:
+    torch_dest = target.adapter.name == "torch"
+    if torch_dest and target.dtype == saved_dtype and dest.is_contiguous():
         reader.read_into(item.name, chunk, item.offsets, item.sizes, dest, verify=verify)
         return
-    data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework,
-                       verify=verify)
-    target.adapter.copy(dest, data)
+    # A cast or a strided destination goes through a buffer of its own: cut into pieces of
+    # at most STAGE_BYTES, so that no tensor-sized temporary is ever allocated.
+    pieces = stage_pieces(item.offsets, item.sizes, item.nbytes) if torch_dest else [(item.offsets, item.sizes)]
+    for offsets, sizes in pieces:
+        part = dest
+        for d, (o, s, o0, s0) in enumerate(zip(offsets, sizes, item.offsets, item.sizes, strict=True)):
+            if s != s0:
+                part = part.narrow(d, o - o0, s)
+        if torch_dest and target.dtype == saved_dtype:
+            reader.read_into(item.name, chunk, offsets, sizes, part, verify=verify)
+            continue
+        data = reader.read(item.name, chunk, offsets, sizes, framework=target.adapter.read_framework, verify=verify)
+        target.adapter.copy(part, data)
+
+
+#: Largest piece read into a buffer of its own (a cast, or a strided destination): bounds
+#: the extra memory of a read per reading thread.
+STAGE_BYTES = 16 * 1024 * 1024
+
+
+def stage_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int,
+                 limit: int = STAGE_BYTES) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The box cut into row-major pieces of at most ``limit`` bytes where possible: along the
+    first dimension whose trailing block fits, every index of the dimensions before it in
+    turn (a single element larger than ``limit`` stays whole)."""
+    numel = math.prod(sizes)
+    if nbytes <= limit or not sizes or not numel:
+        return [(offsets, sizes)]
+    item = nbytes // numel
+    for d in range(len(sizes)):
+        inner = math.prod(sizes[d + 1:]) * item
+        if inner <= limit:
+            break
+    step = max(1, limit // inner)
+    out = []
+    for prefix in itertools.product(*(range(s) for s in sizes[:d])):
+        for start in range(0, sizes[d], step):
+            n = min(step, sizes[d] - start)
+            offs = tuple(o + i for o, i in zip(offsets[:d], prefix, strict=True)) + (offsets[d] + start,) + offsets[d + 1:]
+            out.append((offs, (1,) * d + (n,) + sizes[d + 1:]))
+    return out
 
 
 @dataclass
