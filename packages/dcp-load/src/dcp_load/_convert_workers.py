@@ -62,7 +62,7 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead and messages.empty():
                     raise RuntimeError(f"convert worker {dead[0].name} died (exit code {dead[0].exitcode}) "
-                                       "without reporting an error; the conversion was abandoned")
+                                       "without reporting an error; the conversion was abandoned") from None
                 continue
             if msg[0] == "bytes":
                 on_bytes(msg[1])
