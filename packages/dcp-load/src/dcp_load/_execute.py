@@ -18,9 +18,7 @@ raises on every rank after a final exchange of errors. The thread is joined on e
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._plan import GlobalPlan, ReadItem
+from ._stage import Scratch, read_staged
 from ._targets import Target
 
 __all__ = ["ExecuteStats", "execute"]
@@ -61,6 +60,7 @@ class _ReadAhead(threading.Thread):
         self.errors: list[str] = []
         self.done = 0
         self.seconds = 0.0
+        self.scratch = Scratch()  # staging for casts and strided destinations, bounded
 
     def run(self) -> None:
         start = time.perf_counter()
@@ -75,7 +75,7 @@ class _ReadAhead(threading.Thread):
                     dest = self.staged.get(position)
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
-                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype)
+                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype, self.scratch)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -92,61 +92,28 @@ class _ReadAhead(threading.Thread):
             # the destination holds) so that no other rank hangs in a collective.
             for event in self.events.values():
                 event.set()
+            self.scratch.close()
             self.seconds = time.perf_counter() - start
 
 
-def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str) -> None:
+def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str,
+                scratch: Scratch | None = None) -> None:
     """Read one piece into ``dest``. A torch destination of the checkpoint's dtype is read
     in place (``CheckpointReader.read_into``: straight into a contiguous destination, one
     copy instead of two); a cast, or a MindSpore destination, goes through ``read`` and the
     adapter's copy. Block checksums are verified by the rank that fetches a box for its
     host, not again by the ranks that re-read it from that host's page cache."""
     verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
-    torch_dest = target.adapter.name == "torch"
-    if torch_dest and target.dtype == saved_dtype and dest.is_contiguous():
+    if target.adapter.name == "torch" and target.dtype == saved_dtype and dest.is_contiguous():
         reader.read_into(item.name, chunk, item.offsets, item.sizes, dest, verify=verify)
         return
-    # A cast or a strided destination goes through a buffer of its own: cut into pieces of
-    # at most STAGE_BYTES, so that no tensor-sized temporary is ever allocated.
-    pieces = stage_pieces(item.offsets, item.sizes, item.nbytes) if torch_dest else [(item.offsets, item.sizes)]
-    for offsets, sizes in pieces:
-        part = dest
-        for d, (o, s, o0, s0) in enumerate(zip(offsets, sizes, item.offsets, item.sizes, strict=True)):
-            if s != s0:
-                part = part.narrow(d, o - o0, s)
-        if torch_dest and target.dtype == saved_dtype:
-            reader.read_into(item.name, chunk, offsets, sizes, part, verify=verify)
-            continue
-        data = reader.read(item.name, chunk, offsets, sizes, framework=target.adapter.read_framework, verify=verify)
-        target.adapter.copy(part, data)
-
-
-#: Largest piece read into a buffer of its own (a cast, or a strided destination): bounds
-#: the extra memory of a read per reading thread.
-STAGE_BYTES = 16 * 1024 * 1024
-
-
-def stage_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int,
-                 limit: int = STAGE_BYTES) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The box cut into row-major pieces of at most ``limit`` bytes where possible: along the
-    first dimension whose trailing block fits, every index of the dimensions before it in
-    turn (a single element larger than ``limit`` stays whole)."""
-    numel = math.prod(sizes)
-    if nbytes <= limit or not sizes or not numel:
-        return [(offsets, sizes)]
-    item = nbytes // numel
-    for d in range(len(sizes)):
-        inner = math.prod(sizes[d + 1:]) * item
-        if inner <= limit:
-            break
-    step = max(1, limit // inner)
-    out = []
-    for prefix in itertools.product(*(range(s) for s in sizes[:d])):
-        for start in range(0, sizes[d], step):
-            n = min(step, sizes[d] - start)
-            offs = tuple(o + i for o, i in zip(offsets[:d], prefix, strict=True)) + (offsets[d] + start,) + offsets[d + 1:]
-            out.append((offs, (1,) * d + (n,) + sizes[d + 1:]))
-    return out
+    if target.adapter.name == "torch" and scratch is not None:
+        # a cast or a strided destination: staged in bounded pieces, never the whole box
+        read_staged(reader, item, chunk, dest, saved_dtype, target.dtype == saved_dtype, scratch, verify)
+        return
+    data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework,
+                       verify=verify)
+    target.adapter.copy(dest, data)
 
 
 @dataclass
