@@ -17,15 +17,14 @@ import time
 import warnings
 from pathlib import Path
 
+import dcp_load
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-import dcp_load
 from dcp_load._cli import main as cli_main
 from dcp_load._convert_layout import parse_size
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "dcp-reader" / "tests"))
 import hyper_writer as hw  # noqa: E402
