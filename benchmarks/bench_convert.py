@@ -107,10 +107,12 @@ print(json.dumps({"seconds": time.perf_counter() - t0}), flush=True)
 
 
 def _anon_kib(pid: int) -> int:
+    """Proportional anonymous memory of ``pid`` (``Pss_Anon + Pss_Shmem``): pages a worker
+    shares with the fork server it came from count once over them, not once per process."""
     total = 0
-    with open(f"/proc/{pid}/status") as f:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith(("RssAnon:", "RssShmem:")):
+            if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
                 total += int(line.split()[1])
     return total
 

@@ -346,3 +346,25 @@ def test_worker_failure_is_reported_and_cleaned_up(tmp_path):
         dcp_load.convert(tmp_path / "src", tmp_path / "out", max_shard_bytes="8KB", workers=2)
     assert time.monotonic() - t0 < 120
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, caplog):
+    import io
+    import logging
+
+    from dcp_load import _convert
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    real = _convert.Progress
+    monkeypatch.setattr(_convert, "Progress", lambda *a, **k: real(*a, **k, stream=tty, delay_s=0.0))
+    _write("native", tmp_path / "src")
+    with caplog.at_level(logging.INFO, logger="dcp_load._convert"):
+        dcp_load.convert(tmp_path / "src", tmp_path / "out", max_shard_bytes="8KB")
+    assert "dcp convert [" in tty.getvalue() and "100%" in tty.getvalue()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_load._convert"]
+    assert not any(m.startswith("wrote ") for m in lines)  # the bar replaces the per-file lines
+    assert any(m.startswith("converted ") for m in lines)  # the closing summary

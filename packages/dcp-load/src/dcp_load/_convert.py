@@ -228,13 +228,14 @@ class _Progress:
         self.bar = Progress(0, enabled=not quiet and logger.isEnabledFor(logging.INFO), label="dcp convert")
         self.bar.total = total
         self.files, self.done_files, self.quiet = files, 0, quiet
+        self.tty = self.bar._bar  # a bar will be drawn: no per-file lines then
 
     def advance(self, n: int) -> None:
         self.bar.advance(n)
 
     def file(self, r: FileResult, f: OutFile) -> None:
         self.done_files += 1
-        if not self.bar.drawn:
+        if not self.tty:
             logger.info("wrote %s (%d/%d): %d tensor(s), %s in %.2f s", f.name, self.done_files, self.files,
                         len(f.tensors), human_bytes(f.size), r.seconds)
 
@@ -264,27 +265,9 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     limit = DEFAULT_SHARD_BYTES if max_shard_bytes is None else parse_size(max_shard_bytes)
     dtype = cast_dtype(dtype)
     native = to == "native"
-    from dcp_reader import open_checkpoint
-
     src_real = os.path.realpath(os.fspath(src))
     dst_abs = _check_dst(src_real, os.fspath(dst), overwrite)
-    if isinstance(sources, (str, os.PathLike)):
-        from ._convert_sources import load_sources_file
-
-        sources = load_sources_file(sources)
-    with open_checkpoint(src_real) as reader:
-        meta = reader.metadata
-        composed, consumed, renames = {}, set(), {}
-        if sources:
-            from ._convert_sources import composed_tensors
-
-            composed, consumed, renames = composed_tensors(meta, sources)
-            sources = _load_sources(sources, renames)
-        tensor_names = sorted([n for n in meta.tensors if n not in consumed and n not in composed] + list(composed))
-        value_names = sorted(meta.values)
-        chosen = set(select_names(tensor_names + value_names, keys))
-        out = _out_tensors(meta, [n for n in tensor_names if n in chosen], dtype, native, composed)
-        values, skipped = _values(reader, [n for n in value_names if n in chosen], native)
+    out, values, skipped, sources = _outputs(src_real, sources, keys, dtype, native)
     for name, reason in skipped:
         logger.warning("skipped %r: %s", name, reason)
     if not out and not native:
@@ -297,21 +280,8 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     os.mkdir(tmp)
     progress = _Progress(sum(f.data_bytes for f in files), len(files), quiet)
     try:
-        _prepare_files(tmp, files)
-        by_name = {f.name: f for f in files}
-        on_file = lambda r: progress.file(r, by_name[r.name])  # noqa: E731
-        if workers == 1 or len(files) < 2:
-            results = fill_files(src_real, tmp, files, sources=sources, native=native, on_bytes=progress.advance,
-                                 on_file=on_file)
-        else:
-            results = run_workers(src_real, tmp, files, workers, sources=sources, native=native,
-                                  on_bytes=progress.advance, on_file=on_file)
-        progress.close()
-        for f in files:
-            os.rename(os.path.join(tmp, partial_name(f.name)), os.path.join(tmp, f.name))
-        _fsync_dir(tmp)
-        by_result = {r.name: r for r in results}
-        tail = _commit_native(tmp, files, by_result, values) if native else _commit_hf(tmp, files)
+        results, tail = _write(src_real, tmp, files, values, progress, sources=sources, native=native,
+                               workers=workers)
         _move_into_place(tmp, dst_abs)
     except BaseException:
         progress.close()
@@ -329,6 +299,56 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
                 human_bytes(report.bytes_written), report.seconds, report.workers,
                 f"; {len(skipped)} value(s) skipped" if skipped else "")
     return report
+
+
+def _outputs(src_real: str, sources: Any, keys: Any, dtype: str | None, native: bool
+             ) -> tuple[list[OutTensor], dict[str, Any], list[tuple[str, str]], Any]:
+    """(output tensors, values kept, (name, reason) skipped, what the fill passes to load),
+    from the source's metadata, ``sources`` and ``keys``."""
+    from dcp_reader import open_checkpoint
+
+    if isinstance(sources, (str, os.PathLike)):
+        from ._convert_sources import load_sources_file
+
+        sources = load_sources_file(sources)
+    with open_checkpoint(src_real) as reader:
+        meta = reader.metadata
+        composed, consumed, renames = {}, set(), {}
+        if sources:
+            from ._convert_sources import composed_tensors
+
+            composed, consumed, renames = composed_tensors(meta, sources)
+            sources = _load_sources(sources, renames)
+        tensor_names = sorted([n for n in meta.tensors if n not in consumed and n not in composed] + list(composed))
+        value_names = sorted(meta.values)
+        chosen = set(select_names(tensor_names + value_names, keys))
+        out = _out_tensors(meta, [n for n in tensor_names if n in chosen], dtype, native, composed)
+        values, skipped = _values(reader, [n for n in value_names if n in chosen], native)
+    return out, values, skipped, sources
+
+
+def _write(src_real: str, tmp: str, files: Sequence[OutFile], values: Mapping[str, Any], progress: _Progress, *,
+           sources: Any, native: bool, workers: int) -> tuple[list[FileResult], int]:
+    """Every file of ``tmp`` written, fsynced and renamed to its final name, then the index
+    or metadata last: (per-file results, bytes of the index or metadata)."""
+    _prepare_files(tmp, files)
+    by_name = {f.name: f for f in files}
+
+    def on_file(r: FileResult) -> None:
+        progress.file(r, by_name[r.name])
+
+    if workers == 1 or len(files) < 2:
+        results = fill_files(src_real, tmp, files, sources=sources, native=native, on_bytes=progress.advance,
+                             on_file=on_file)
+    else:
+        results = run_workers(src_real, tmp, files, workers, sources=sources, native=native,
+                              on_bytes=progress.advance, on_file=on_file)
+    progress.close()
+    for f in files:
+        os.rename(os.path.join(tmp, partial_name(f.name)), os.path.join(tmp, f.name))
+    _fsync_dir(tmp)
+    by_result = {r.name: r for r in results}
+    return results, _commit_native(tmp, files, by_result, values) if native else _commit_hf(tmp, files)
 
 
 def _load_sources(sources: Mapping[str, Any], renames: Mapping[str, str]) -> Any:
