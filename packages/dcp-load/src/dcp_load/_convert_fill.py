@@ -149,10 +149,15 @@ def fill_files(src: str, root: str, files: Sequence[OutFile], *, sources: Any, n
     return out
 
 
-def worker_main(src: str, root: str, files: Sequence[OutFile], sources: Any, native: bool, queue: Any) -> None:
+def worker_main(src: str, root: str, files: Sequence[OutFile], sources: Any, native: bool, queue: Any,
+                threads: int = 1) -> None:
     """A worker process: fill ``files``, telling the parent bytes done, each file finished,
-    and at the end either ``("done",)`` or ``("error", text)``."""
+    and at the end either ``("done",)`` or ``("error", text)``. ``threads``: its share of
+    the parent's torch threads (the reading threads of each load)."""
     try:
+        import torch
+
+        torch.set_num_threads(threads)
         fill_files(src, root, files, sources=sources, native=native,
                    on_bytes=lambda n: queue.put(("bytes", n)), on_file=lambda r: queue.put(("file", r)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it

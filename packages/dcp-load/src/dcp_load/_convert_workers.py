@@ -62,8 +62,11 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
     is seen within ``_POLL_S``."""
     ctx = _context()
     messages = ctx.Queue()
+    import torch
+
     parts = split_files(files, workers)
-    procs = [ctx.Process(target=worker_main, args=(src, root, part, sources, native, messages),
+    threads = max(1, torch.get_num_threads() // len(parts))  # the workers share this process's threads
+    procs = [ctx.Process(target=worker_main, args=(src, root, part, sources, native, messages, threads),
                          name=f"dcp-convert-{k}", daemon=True) for k, part in enumerate(parts)]
     results: list[FileResult] = []
     done: set[int] = set()
