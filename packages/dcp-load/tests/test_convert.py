@@ -206,7 +206,14 @@ def _header(path: Path) -> str:
         return f.read(n).decode()
 
 
-def test_two_workers_write_the_same_bytes_as_one(tmp_path):
+def test_two_workers_write_the_same_bytes_as_one(tmp_path, monkeypatch):
+    from dcp_load import _convert_fill, _convert_workers
+
+    def one_then_stop(counter, n):  # this process fills one file, the worker process the others
+        real, took = _convert_fill.claimer(counter, n), []
+        return lambda: None if took else took.append(real()) or took[0]
+
+    monkeypatch.setattr(_convert_workers, "claimer", one_then_stop)
     _write("hyper", tmp_path / "src")
     one = dcp_load.convert(tmp_path / "src", tmp_path / "one", max_shard_bytes="8KB", dtype="float16")
     two = dcp_load.convert(tmp_path / "src", tmp_path / "two", max_shard_bytes="8KB", dtype="float16", workers=2)
@@ -337,13 +344,19 @@ def test_sources_file_composed(tmp_path):
     assert torch.equal(_read_hf(tmp_path / "out")["fused"], want)
 
 
-def test_worker_failure_is_reported_and_cleaned_up(tmp_path):
+@pytest.mark.parametrize("claims", ["parent", "worker"])
+def test_a_failed_read_is_reported_and_cleaned_up(tmp_path, monkeypatch, claims):
+    from dcp_load import _convert_workers
+
     _write("native", tmp_path / "src")
     victim = next((tmp_path / "src").glob("*.safetensors"))
-    victim.write_bytes(victim.read_bytes()[:-64])  # truncated: a read fails in a worker
+    victim.write_bytes(victim.read_bytes()[:-64])  # truncated: a read fails
+    if claims == "worker":  # this process claims nothing: the worker reads every file
+        monkeypatch.setattr(_convert_workers, "claimer", lambda counter, n: lambda: None)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="convert worker"):
+    with pytest.raises(Exception, match="convert worker failed" if claims == "worker" else "truncated") as err:
         dcp_load.convert(tmp_path / "src", tmp_path / "out", max_shard_bytes="8KB", workers=2)
+    assert victim.name in str(err.value)
     assert time.monotonic() - t0 < 120
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 

@@ -135,30 +135,47 @@ def _checksums(mm: mmap.mmap, f: OutFile) -> dict[str, str]:
 
 def fill_files(src: str, root: str, files: Sequence[OutFile], *, sources: Any, native: bool,
                on_bytes: Callable[[int], None] | None = None,
-               on_file: Callable[[FileResult], None] | None = None) -> list[FileResult]:
-    """Fill ``files`` one after the other with one reader of ``src``."""
+               on_file: Callable[[FileResult], None] | None = None,
+               claim: Callable[[], int | None] | None = None) -> list[FileResult]:
+    """Fill ``files`` one after the other with one reader of ``src``: all of them, or, with
+    ``claim``, each index it hands out until it returns None (workers sharing the files)."""
     from dcp_reader import open_checkpoint
 
     out = []
+    order = iter(range(len(files))) if claim is None else iter(claim, None)
     with open_checkpoint(src) as reader:
-        for f in files:
-            result = fill_file(reader, root, f, sources=sources, native=native, on_bytes=on_bytes)
+        for i in order:
+            result = fill_file(reader, root, files[i], sources=sources, native=native, on_bytes=on_bytes)
             out.append(result)
             if on_file is not None:
                 on_file(result)
     return out
 
 
-def worker_main(src: str, root: str, files: Sequence[OutFile], sources: Any, native: bool, queue: Any,
-                threads: int = 1) -> None:
-    """A worker process: fill ``files``, telling the parent bytes done, each file finished,
-    and at the end either ``("done",)`` or ``("error", text)``. ``threads``: its share of
-    the parent's torch threads (the reading threads of each load)."""
+def claimer(counter: Any, n: int) -> Callable[[], int | None]:
+    """Hands out 0, 1, ..., n - 1 once each across processes sharing ``counter`` (a
+    ``multiprocessing.Value``), then None."""
+    def claim() -> int | None:
+        with counter.get_lock():
+            i = counter.value
+            if i >= n:
+                return None
+            counter.value = i + 1
+            return i
+
+    return claim
+
+
+def worker_main(src: str, root: str, files: Sequence[OutFile], counter: Any, sources: Any, native: bool,
+                queue: Any, threads: int = 1) -> None:
+    """A worker process: fill the files it claims from ``counter``, telling the parent bytes
+    done and each file finished, and at the end either ``("done",)`` or ``("error", text)``.
+    ``threads``: its share of the parent's torch threads (the reading threads of each load)."""
     try:
         import torch
 
         torch.set_num_threads(threads)
-        fill_files(src, root, files, sources=sources, native=native,
+        fill_files(src, root, files, sources=sources, native=native, claim=claimer(counter, len(files)),
                    on_bytes=lambda n: queue.put(("bytes", n)), on_file=lambda r: queue.put(("file", r)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         queue.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -1,44 +1,33 @@
-"""``--workers N``: N processes split the output files by bytes; each reads only what its
-files need. The layout (every header and offset) is fixed before they start, so the files
-are the same byte for byte whatever N is."""
+"""``--workers N``: this process and N - 1 worker processes share the output files, each
+claiming the next unfilled file from a shared counter and reading only the chunks that
+file needs. The layout (every header and offset) is fixed before they start, so the files
+are the same byte for byte whatever N is.
+
+This process fills files from the start, while the workers are still starting: a worker
+comes from a fork server that imports torch once (seconds on a busy machine), so a small
+conversion may finish before any worker has claimed a file, and N workers are never much
+slower than one.
+"""
 
 from __future__ import annotations
 
-import heapq
 import logging
 import queue as queue_mod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._convert_fill import FileResult, worker_main
+from ._convert_fill import FileResult, claimer, fill_files, worker_main
 from ._convert_layout import OutFile
 
-__all__ = ["run_workers", "split_files"]
+__all__ = ["run_workers"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between checks that every worker is still alive while waiting for messages.
 _POLL_S = 0.5
 
-
-def split_files(files: Sequence[OutFile], parts: int) -> list[list[OutFile]]:
-    """``files`` dealt into at most ``parts`` lists of about equal bytes (largest first to the
-    lightest list); each list keeps the files' order. Empty lists are dropped."""
-    loads = [(0, k) for k in range(parts)]
-    owner = {}
-    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
-        size, k = heapq.heappop(loads)
-        owner[i] = k
-        heapq.heappush(loads, (size + files[i].size, k))
-    out: list[list[OutFile]] = [[] for _ in range(parts)]
-    for i, f in enumerate(files):
-        out[owner[i]].append(f)
-    return [p for p in out if p]
-
-
 #: Imported once by the fork server, so that each worker starts in milliseconds instead of
-#: importing torch and torch.distributed itself (seconds each; on a shared 2-core machine
-#: two spawned workers spent most of a 1 GiB conversion importing).
+#: importing torch and torch.distributed itself.
 PRELOAD = ["torch", "torch.distributed", "dcp_reader", "dcp_platform", "dcp_load._convert_fill", "dcp_load._load"]
 
 
@@ -55,51 +44,80 @@ def _context() -> Any:
     return ctx
 
 
-def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, sources: Any, native: bool,
-                on_bytes: Callable[[int], None], on_file: Callable[[FileResult], None]) -> list[FileResult]:
-    """Fill ``files`` on ``workers`` processes. A worker that fails or dies stops the others;
-    the error names it and its cause. Waits are bounded by the workers' lives: a dead worker
-    is seen within ``_POLL_S``."""
-    ctx = _context()
-    messages = ctx.Queue()
-    import torch
+class _Messages:
+    """The workers' messages, handed to the callbacks; a worker's error or death raises."""
 
-    parts = split_files(files, workers)
-    threads = max(1, torch.get_num_threads() // len(parts))  # the workers share this process's threads
-    procs = [ctx.Process(target=worker_main, args=(src, root, part, sources, native, messages, threads),
-                         name=f"dcp-convert-{k}", daemon=True) for k, part in enumerate(parts)]
-    results: list[FileResult] = []
-    done: set[int] = set()
-    try:
-        for p in procs:
-            p.start()
-        finished = 0
-        while finished < len(procs):
+    def __init__(self, queue: Any, procs: Sequence[Any], on_bytes: Callable[[int], None],
+                 on_file: Callable[[FileResult], None]):
+        self.queue, self.procs, self.on_bytes, self.on_file = queue, procs, on_bytes, on_file
+        self.results: list[FileResult] = []
+        self.finished = 0
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Handle every waiting message (``timeout``: wait that long for the first one)."""
+        while True:
             try:
-                msg = messages.get(timeout=_POLL_S)
+                msg = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
             except queue_mod.Empty:
-                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead and messages.empty():
-                    raise RuntimeError(f"convert worker {dead[0].name} died (exit code {dead[0].exitcode}) "
-                                       "without reporting an error; the conversion was abandoned") from None
-                continue
+                if timeout:
+                    self._check_alive()
+                return
+            timeout = None
             if msg[0] == "bytes":
-                on_bytes(msg[1])
+                self.on_bytes(msg[1])
             elif msg[0] == "file":
-                results.append(msg[1])
-                on_file(msg[1])
+                self.results.append(msg[1])
+                self.on_file(msg[1])
             elif msg[0] == "error":
                 raise RuntimeError(f"a convert worker failed: {msg[1]}")
             else:
-                finished += 1
-        for k, p in enumerate(procs):
+                self.finished += 1
+
+    def _check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead and self.queue.empty():
+            raise RuntimeError(f"convert worker {dead[0].name} died (exit code {dead[0].exitcode}) without "
+                               "reporting an error; the conversion was abandoned")
+
+
+def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, sources: Any, native: bool,
+                on_bytes: Callable[[int], None], on_file: Callable[[FileResult], None]) -> list[FileResult]:
+    """Fill ``files`` here and on ``workers - 1`` worker processes. A worker that fails or
+    dies stops the conversion; the error names it and its cause. Waits are bounded by the
+    workers' lives: a dead worker is seen within ``_POLL_S``."""
+    import torch
+
+    ctx = _context()
+    queue, counter = ctx.Queue(), ctx.Value("q", 0)
+    extra = min(workers, len(files)) - 1
+    threads = max(1, torch.get_num_threads() // (extra + 1))  # the processes share this one's threads
+    procs = [ctx.Process(target=worker_main, args=(src, root, files, counter, sources, native, queue, threads),
+                         name=f"dcp-convert-{k + 1}", daemon=True) for k in range(extra)]
+    messages = _Messages(queue, procs, on_bytes, on_file)
+    mine: list[FileResult] = []
+    old_threads = torch.get_num_threads()
+    try:
+        for p in procs:
+            p.start()
+        torch.set_num_threads(threads)
+
+        def here(r: FileResult) -> None:
+            mine.append(r)
+            on_file(r)
+            messages.drain()  # the workers' progress, between this process's files
+
+        fill_files(src, root, files, sources=sources, native=native, on_bytes=on_bytes, on_file=here,
+                   claim=claimer(counter, len(files)))
+        while messages.finished < len(procs):
+            messages.drain(timeout=_POLL_S)
+        for p in procs:
             p.join(timeout=60)
-            done.add(k)
     finally:
-        for k, p in enumerate(procs):
-            if k not in done and p.is_alive():
+        torch.set_num_threads(old_threads)
+        for p in procs:
+            if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
-        messages.close()
+        queue.close()
     order = {f.name: i for i, f in enumerate(files)}
-    return sorted(results, key=lambda r: order[r.name])
+    return sorted(mine + messages.results, key=lambda r: order[r.name])
