@@ -4,10 +4,10 @@ streamed into preallocated files at a memory bound that does not grow with the m
 Call order: the layout of every output file is computed from the source's metadata
 (``_convert_layout``); a temporary directory beside ``dst`` receives every file, created,
 preallocated and given its final header, under a ``.partial`` name; the files are filled in
-place (``_convert_fill``: one load per group of tensors, in this process or split between
-``workers`` processes by bytes); each is renamed to its final name once all are whole; the
-index (Hugging Face) or metadata (native) is written last; the directory is renamed to
-``dst``. A conversion killed at any point leaves no complete-looking checkpoint at ``dst``,
+place (``_convert_fill``: one load per group of tensors, in this process, or shared with
+``workers - 1`` worker processes, ``_convert_workers``); each is renamed to its final name
+once all are whole; the index (Hugging Face) or metadata (native) is written last; the
+directory is renamed to ``dst``. A conversion killed at any point leaves no complete-looking checkpoint at ``dst``,
 and its temporary directory holds only ``.partial`` files until every one is whole.
 """
 
@@ -254,7 +254,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     ``dtype``: cast floating tensors to it (integer and bool tensors never). ``keys``: names
     or glob patterns to convert (default all). ``sources``: the ``sources=`` mapping of
     ``load`` (destination names), or a path to a JSON or Python file holding it.
-    ``workers``: processes that split the output files. ``overwrite``: replace a non-empty
+    ``workers``: processes that share the output files (this one included). ``overwrite``: replace a non-empty
     ``dst`` once the new checkpoint is complete. ``quiet``: no progress bar.
     """
     t0 = time.perf_counter()
