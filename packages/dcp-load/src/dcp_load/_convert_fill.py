@@ -175,6 +175,7 @@ def worker_main(src: str, root: str, files: Sequence[OutFile], counter: Any, sou
         import torch
 
         torch.set_num_threads(threads)
+        queue.put(("started",))
         fill_files(src, root, files, sources=sources, native=native, claim=claimer(counter, len(files)),
                    on_bytes=lambda n: queue.put(("bytes", n)), on_file=lambda r: queue.put(("file", r)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue as queue_mod
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,7 @@ class _Messages:
                  on_file: Callable[[FileResult], None]):
         self.queue, self.procs, self.on_bytes, self.on_file = queue, procs, on_bytes, on_file
         self.results: list[FileResult] = []
+        self.started = 0  # workers running (they say so first)
 
     def drain(self, timeout: float | None = None) -> None:
         """Handle every waiting message (``timeout``: wait that long for the first one)."""
@@ -70,9 +72,11 @@ class _Messages:
                 self.on_file(msg[1])
             elif msg[0] == "error":
                 raise RuntimeError(f"a convert worker failed: {msg[1]}")
+            elif msg[0] == "started":
+                self.started += 1
 
     def _check_alive(self) -> None:
-        dead = [p for p in self.procs if not p.is_alive() and p.exitcode not in (0, None)]
+        dead = [p for p in self.procs if p.exitcode not in (0, None)]
         if dead and self.queue.empty():
             raise RuntimeError(f"convert worker {dead[0].name} died (exit code {dead[0].exitcode}) without "
                                "reporting an error; the conversion was abandoned")
@@ -93,16 +97,20 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
                          name=f"dcp-convert-{k + 1}", daemon=True) for k in range(extra)]
     messages = _Messages(queue, procs, on_bytes, on_file)
     mine: list[FileResult] = []
+    stop = threading.Event()
+    # Process.start() on a fork server waits until the server has imported torch (seconds):
+    # the workers are started on a thread while this process fills files
+    starter = threading.Thread(target=_start_all, args=(procs, stop), name="dcp-convert-start", daemon=True)
     old_threads = torch.get_num_threads()
     try:
-        for p in procs:
-            p.start()
-        torch.set_num_threads(threads)
+        starter.start()
 
         def here(r: FileResult) -> None:
             mine.append(r)
             on_file(r)
             messages.drain()  # the workers' progress, between this process's files
+            # all of this process's threads until a worker runs, then its share
+            torch.set_num_threads(threads if messages.started else old_threads)
 
         fill_files(src, root, files, sources=sources, native=native, on_bytes=on_bytes, on_file=here,
                    claim=claimer(counter, len(files)))
@@ -111,11 +119,28 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
         # every file is whole: a worker still starting (or finding nothing left) is stopped
         # instead of awaited
     finally:
+        stop.set()
         torch.set_num_threads(old_threads)
         for p in procs:
-            if p.is_alive():
+            if p.exitcode is None and p.pid is not None:
                 p.terminate()
                 p.join(timeout=10)
         queue.close()
     order = {f.name: i for i, f in enumerate(files)}
     return sorted(mine + messages.results, key=lambda r: order[r.name])
+
+
+def _start_all(procs: Sequence[Any], stop: threading.Event) -> None:
+    """Start each worker unless the conversion is over; one started after that is stopped."""
+    for p in procs:
+        if stop.is_set():
+            return
+        try:
+            p.start()
+        except Exception:  # noqa: BLE001 - a worker that cannot start leaves its files to the others
+            logger.warning("convert worker %s could not start", p.name, exc_info=True)
+            return
+        if stop.is_set():
+            p.terminate()
+            p.join(timeout=10)
+            return
