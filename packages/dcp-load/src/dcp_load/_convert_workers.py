@@ -6,8 +6,8 @@ are the same byte for byte whatever N is.
 This process fills files from the start, while the workers are still starting: a worker
 comes from a fork server that imports torch once (seconds on a busy machine), so a small
 conversion may finish before any worker has claimed a file. Once every file is whole,
-workers still starting are stopped rather than awaited, so N workers are never much slower
-than one.
+workers are stopped rather than awaited (a start in progress is let finish first), so N
+workers are at most a worker's start slower than one.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between checks that every worker is still alive while waiting for messages.
 _POLL_S = 0.5
+#: Longest wait for a worker start in progress once every file is whole (the fork server
+#: imports torch first: ~3 s of CPU, 15-25 s on the shared 2-core development machine).
+_START_S = 120.0
 
 #: Imported once by the fork server, so that each worker starts in milliseconds instead of
 #: importing torch and torch.distributed itself.
@@ -117,9 +120,11 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
         while len(mine) + len(messages.results) < len(files):
             messages.drain(timeout=_POLL_S)
         # every file is whole: a worker still starting (or finding nothing left) is stopped
-        # instead of awaited
+        # instead of awaited; a start still in progress is let finish first (bounded), as a
+        # worker forked after this process dropped the queue would fail noisily
     finally:
         stop.set()
+        starter.join(timeout=_START_S)
         torch.set_num_threads(old_threads)
         for p in procs:
             if p.exitcode is None and p.pid is not None:
