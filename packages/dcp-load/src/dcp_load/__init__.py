@@ -1,9 +1,11 @@
 """dcp-load: load distributed checkpoints with resharding, read-once and batched broadcasts."""
 
+from ._convert import ConvertReport, convert
 from ._errors import LoadError
 from ._flat import Flat, flat_views
 from ._load import DEFAULT_BATCH_BYTES, load
 from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
+from ._read_state_dict import read_state_dict
 from ._report import LoadReport
 from ._save import SaveReport, save
 from ._sources import Concat, Slice, Stack
@@ -14,6 +16,7 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "Chunk",
     "Concat",
+    "ConvertReport",
     "Flat",
     "GlobalPlan",
     "GreedyPlanner",
@@ -26,7 +29,9 @@ __all__ = [
     "Stack",
     "__version__",
     "build_global_plan",
+    "convert",
     "flat_views",
     "load",
+    "read_state_dict",
     "save",
 ]

@@ -132,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._plan_cli import add_parser as add_plan
 
     add_plan(sub)
+    from ._convert_cli import add_parser as add_convert
+
+    add_convert(sub)
     v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage, block and value checksums "
                                       "(exit 0 ok, 1 problems found, 2 unreadable)")
     v.add_argument("path", help="checkpoint directory")
@@ -144,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
         elif args.command == "verify":
             code = verify(args.path)
+        elif args.command == "convert":
+            from ._convert_cli import run as convert_run
+
+            code = convert_run(args)
         elif args.command == "plan":
             from ._plan_cli import run as plan_run
 

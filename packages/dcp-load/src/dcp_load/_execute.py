@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._plan import GlobalPlan, ReadItem
+from ._stage import Scratch, read_staged
 from ._targets import Target
 
 __all__ = ["ExecuteStats", "execute"]
@@ -61,6 +62,7 @@ class _ReadAhead(threading.Thread):
         self.errors: list[str] = []
         self.done = 0
         self.seconds = 0.0
+        self.scratch = Scratch()  # staging for casts and strided destinations, bounded
 
     def run(self) -> None:
         start = time.perf_counter()
@@ -75,7 +77,7 @@ class _ReadAhead(threading.Thread):
                     dest = self.staged.get(position)
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
-                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype)
+                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype, self.scratch)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -95,6 +97,7 @@ class _ReadAhead(threading.Thread):
             for position, event in self.events.items():
                 if failed or position in self.positions:
                     event.set()
+            self.scratch.close()
             self.seconds = time.perf_counter() - start
 
 
@@ -165,15 +168,20 @@ class _StopAll:
             t.stop.set()
 
 
-def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str) -> None:
+def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str,
+                scratch: Scratch | None = None) -> None:
     """Read one piece into ``dest``. A torch destination of the checkpoint's dtype is read
     in place (``CheckpointReader.read_into``: straight into a contiguous destination, one
     copy instead of two); a cast, or a MindSpore destination, goes through ``read`` and the
     adapter's copy. Block checksums are verified by the rank that fetches a box for its
     host, not again by the ranks that re-read it from that host's page cache."""
     verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
-    if target.adapter.name == "torch" and target.dtype == saved_dtype:
+    if target.adapter.name == "torch" and target.dtype == saved_dtype and dest.is_contiguous():
         reader.read_into(item.name, chunk, item.offsets, item.sizes, dest, verify=verify)
+        return
+    if target.adapter.name == "torch" and scratch is not None:
+        # a cast or a strided destination: staged in bounded pieces, never the whole box
+        read_staged(reader, item, chunk, dest, saved_dtype, target.dtype == saved_dtype, scratch, verify)
         return
     data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework,
                        verify=verify)

@@ -52,11 +52,13 @@ class Progress:
     Call order: ``plan(...)`` once, ``phase(...)`` as each phase ends, ``advance(n)`` from
     any one thread as bytes arrive, ``close()`` once (also after a failure; idempotent).
     ``enabled``: ``None`` follows the logger (INFO enabled for ``dcp_load._progress``);
-    ``stream``: where the bar goes (default ``sys.stderr``), drawn only if it is a TTY.
+    ``stream``: where the bar goes (default ``sys.stderr``), drawn only if it is a TTY;
+    ``label``: the bar's first word(s).
     """
 
     def __init__(self, rank: int, enabled: bool | None = None, *, stream: TextIO | None = None,
-                 delay_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+                 delay_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 label: str = "dcp load"):
         wanted = logger.isEnabledFor(logging.INFO) if enabled is None else enabled
         self.on = rank == 0 and wanted
         self._stream = stream if stream is not None else sys.stderr
@@ -67,6 +69,7 @@ class Progress:
         self.total = 0
         self.done = 0
         self.drawn = False
+        self.label = label
 
     def plan(self, plan: Any, rank: int, tensors: int) -> None:
         """Log a one-line summary of ``plan`` (a ``GlobalPlan``) as seen from ``rank``, its
@@ -125,7 +128,7 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         frac = min(self.done / self.total, 1.0) if self.total else 0.0
         filled = int(frac * _WIDTH)
-        self._stream.write(f"\rdcp load [{'#' * filled}{'.' * (_WIDTH - filled)}] {frac:4.0%} "
+        self._stream.write(f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {frac:4.0%} "
                            f"{human_bytes(self.done)} / {human_bytes(self.total)} "
                            f"{human_bytes(self.done / elapsed)}/s ")
         self._stream.flush()
