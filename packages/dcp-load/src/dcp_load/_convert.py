@@ -367,6 +367,6 @@ def _load_sources(sources: Mapping[str, Any], renames: Mapping[str, str]) -> Any
 
 
 def _native_meta() -> dict[str, str]:
-    from dcp_reader._native import MARKER_KEY, MARKER_VALUE
+    from dcp_reader.formats._native import MARKER_KEY, MARKER_VALUE
 
     return {MARKER_KEY: MARKER_VALUE, "format": "pt"}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from ._native import LOCK_FILE
+from .formats._native import LOCK_FILE
 
 __all__ = ["WriterLock", "WriterLockError"]
 
