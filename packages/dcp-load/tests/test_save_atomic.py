@@ -241,3 +241,23 @@ def test_two_ranks_of_a_launch_saving_with_no_dist_into_one_directory(tmp_path):
     saved = [int(line.split()[1]) for line in lines if line.startswith("SAVED")]
     assert len(saved) == 1 and sum(line.startswith("REFUSED") for line in lines) == 1, lines
     _assert_holds(path, saved[0])
+
+
+def test_a_failed_commit_keeps_the_old_checkpoint_and_removes_the_new_files(saved):
+    # The data file fits under RLIMIT_FSIZE, the metadata (holding a 100 KB value) does not:
+    # the kernel refuses the commit itself, after every data file was written.
+    before = _listing(saved)
+    script = textwrap.dedent(f"""
+        import resource, signal, torch, dcp_load
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            dcp_load.save({{"w": torch.ones(8), "note": "x" * 100_000}}, checkpoint_id={str(saved)!r})
+        except dcp_load.LoadError as e:
+            print("REFUSED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout and "commit" in out.stdout and "File too large" in out.stdout, \
+        out.stdout + out.stderr
+    assert _listing(saved) == before  # the new data file is gone with the failed commit
+    _assert_holds(saved, 1)

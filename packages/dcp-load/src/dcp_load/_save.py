@@ -292,11 +292,14 @@ def _write(writer: Any, me: int, mine: list[ReadItem], targets: dict[str, Any], 
 
 def _commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
     """Rank 0: switch the directory to the new files (the metadata, in one rename), then
-    remove what the new metadata does not name."""
+    remove what the new metadata does not name. When the commit fails, the files the new
+    metadata names are removed: all carry this save's id, so none is the committed one's."""
     try:
         writer.commit(metadata)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"commit: {type(exc).__name__}: {exc}")
+        new = {c.file for t in metadata.tensors.values() for c in t.chunks}
+        writer.discard(sorted(new | {v.file for v in metadata.values.values() if v.file is not None}))
         return
     lock.committed()
     writer.remove_stray(metadata)
