@@ -261,3 +261,33 @@ def test_a_failed_commit_keeps_the_old_checkpoint_and_removes_the_new_files(save
         out.stdout + out.stderr
     assert _listing(saved) == before  # the new data file is gone with the failed commit
     _assert_holds(saved, 1)
+
+
+def test_the_lock_file_follows_the_umask_like_the_data_files(tmp_path):
+    # a directory shared by a group (umask 002): every member must be able to save again
+    old = os.umask(0o002)
+    try:
+        dcp_load.save(_state(1), checkpoint_id=tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(tmp_path / "ckpt" / n).st_mode & 0o777 for n in os.listdir(tmp_path / "ckpt")}
+    assert set(modes.values()) == {0o664}, modes
+
+
+def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
+    # another user's lock file (mode 644 from an earlier save): flock needs no write access
+    import dcp_reader._save_lock as save_lock
+
+    real_open = os.open
+
+    def other_users_file(path, flags, *args):
+        if str(path).endswith(LOCK) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(save_lock.os, "open", other_users_file)
+    with NativeWriter(saved).lock():
+        with pytest.raises(WriterLockError):
+            NativeWriter(saved).lock()  # still exclusive
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    _assert_holds(saved, 2)
