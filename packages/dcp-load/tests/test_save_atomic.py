@@ -135,15 +135,16 @@ def test_leftovers_are_reported_then_removed_by_the_next_save(saved, capsys):
     assert len(pickles) == 1
     # an earlier save by 4 ranks (names without a save id, as older versions wrote), a killed
     # save's temporary file, and a file that is not the writer's
-    extra = ["rank-00001.safetensors", "rank-00003.0123456789ab.safetensors", "values.pkl",
+    extra = ["rank-00001.safetensors", "rank-00003.0123456789ab.safetensors",
              "rank-00000.0123456789ab.safetensors.tmp-4242", "dcp-metadata.json.tmp-77"]
-    for n in extra + ["notes.txt", "rank-1.safetensors"]:
+    for n in extra[1:] + ["notes.txt", "rank-1.safetensors"]:
         (saved / n).write_bytes(b"x" * 100)
+    NativeWriter(saved).write_file(extra[0], {"w@0": torch.ones(2)})  # the name without an id: a native file
     report = verify_checkpoint(saved)
     assert not report.ok and sorted(p.split("'")[1] for p in report.problems) == sorted(extra)
     assert cli(["verify", str(saved)]) == 1
     out = capsys.readouterr().out
-    assert out.count("PROBLEM stray file") == len(extra) and "5 problem(s)" in out
+    assert out.count("PROBLEM stray file") == len(extra) and "4 problem(s)" in out
 
     dcp_load.save(_state(2), checkpoint_id=saved)  # no pickled value now: its file goes too
     left = set(os.listdir(saved))
@@ -291,3 +292,38 @@ def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
             NativeWriter(saved).lock()  # still exclusive
     dcp_load.save(_state(2), checkpoint_id=saved)
     _assert_holds(saved, 2)
+
+
+def test_files_named_like_old_versions_but_not_written_by_them_are_kept(tmp_path):
+    # A user's pickle named values.pkl and a plain safetensors file named rank-00000.safetensors
+    # (no native marker) in a directory that never held a native checkpoint: not leftovers.
+    import pickle
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "values.pkl").write_bytes(pickle.dumps({"mine": 1}))
+    save_file({"x": torch.ones(2)}, str(path / "rank-00000.safetensors"))
+    before = {n: (path / n).read_bytes() for n in os.listdir(path)}
+    dcp_load.save(_state(1), checkpoint_id=path)
+    assert {n: (path / n).read_bytes() for n in before if (path / n).exists()} == before
+    assert verify_checkpoint(path).ok, verify_checkpoint(path).problems
+    _assert_holds(path, 1)
+
+
+def test_an_old_versions_checkpoint_is_removed_by_an_overwrite(tmp_path):
+    # what dcp-reader 0.3 wrote: names without a save id, the pickled values in values.pkl
+    from dcp_reader import CheckpointMetadata, ChunkMeta, TensorMeta, chunk_key
+
+    path = tmp_path / "ckpt"
+    w = NativeWriter(path, allow_pickle=True)
+    w.write_file("rank-00000.safetensors", {chunk_key("w", (0,)): torch.ones(4)})
+    w.write_file("rank-00001.safetensors", {chunk_key("w", (2,)): torch.ones(2)})  # a killed save's
+    values = w.write_values({"sched": Schedule()})
+    w.commit(CheckpointMetadata(tensors={"w": TensorMeta("w", (4,), "float32", (
+        ChunkMeta((0,), (4,), "rank-00000.safetensors", chunk_key("w", (0,))),))}, values=values, format="native"))
+    assert [p.split("'")[1] for p in verify_checkpoint(path).problems] == ["rank-00001.safetensors"]
+    dcp_load.save(_state(2), checkpoint_id=path)
+    assert not {"rank-00000.safetensors", "rank-00001.safetensors", "values.pkl"} & set(os.listdir(path))
+    _assert_holds(path, 2)

@@ -15,9 +15,17 @@ from typing import Any
 
 from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
-from ._errors import UnknownDtypeError, summarise
+from ._errors import CheckpointError, UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
-from ._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE, stray_files
+from ._native import (
+    CHECKSUMS_KEY,
+    MARKER_KEY,
+    MARKER_VALUE,
+    METADATA_FILE,
+    files_named,
+    load_native,
+    stray_files,
+)
 from ._paths import check_files, check_name
 from ._safetensors_file import read_header_at
 from ._save_lock import WriterLock
@@ -119,6 +127,17 @@ def _atomic_write(final: str, chunks: list[Any]) -> int:
     return n
 
 
+def _legacy_named(root_real: str) -> set[str]:
+    """The files the committed metadata names, read only when a ``values.pkl`` (a name of
+    dcp-reader 0.3 and earlier, that nothing else tells apart from a user's file) is there."""
+    if not os.path.lexists(os.path.join(root_real, "values.pkl")):
+        return set()
+    try:
+        return files_named(load_native(root_real))
+    except CheckpointError:
+        return set()  # no readable native metadata: nothing in the directory was committed by the writer
+
+
 @dataclasses.dataclass(frozen=True)
 class EncodedValues:
     """Non-tensor values serialised by ``NativeWriter.encode_values``: the JSON ones (with
@@ -176,6 +195,7 @@ class NativeWriter:
     def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
         self.path = os.path.abspath(os.fspath(path))
         self.allow_pickle = bool(allow_pickle)
+        self._replaced: set[str] = set()  # legacy files the metadata replaced by commit() named
         os.makedirs(self.path, exist_ok=True)
 
     def _target(self, file_name: str) -> str:
@@ -285,7 +305,7 @@ class NativeWriter:
         and temporary files) that ``metadata`` does not refer to, left by an earlier save or
         a killed one. Other files are never touched. Returns the names removed."""
         removed = []
-        for name in stray_files(os.path.realpath(self.path), metadata):
+        for name in stray_files(os.path.realpath(self.path), metadata, self._replaced):
             try:
                 os.unlink(os.path.join(self.path, name))
                 removed.append(name)
@@ -320,6 +340,7 @@ class NativeWriter:
         root = os.path.realpath(self.path)
         check_files(root, files)
         metadata = with_checksums(root, metadata)
+        self._replaced = _legacy_named(root)
         _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))
