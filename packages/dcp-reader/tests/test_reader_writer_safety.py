@@ -133,3 +133,24 @@ def test_the_lock_refuses_a_second_holder_and_records_the_last_commit(tmp_path):
     third = NativeWriter(tmp_path).lock()
     assert third.previous["who"] == "first"
     third.release()
+
+
+def test_commit_makes_a_new_checkpoint_directory_durable(tmp_path, monkeypatch):
+    # the entry of a directory the save created lives in its parent: without an fsync of the
+    # parent, a power loss after save returned can take the whole checkpoint directory away
+    import dcp_reader._writer as writer_module
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(writer_module.os, "fsync", fsync)
+    w = NativeWriter(tmp_path / "new")
+    w.write_file(data_file_name(0, "0" * 12), {"t@0": __import__("numpy").ones(2, "uint8")})
+    w.commit(CheckpointMetadata(tensors={"t": TensorMeta("t", (2,), "uint8", (
+        ChunkMeta((0,), (2,), data_file_name(0, "0" * 12), "t@0"),))}, values={}, format="native"))
+    meta = next(i for i, p in enumerate(synced) if os.path.basename(p).startswith("dcp-metadata.json"))
+    assert str(tmp_path) in synced[meta:], synced  # after the metadata: the commit made the directory durable

@@ -342,5 +342,8 @@ class NativeWriter:
         metadata = with_checksums(root, metadata)
         self._replaced = _legacy_named(root)
         _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
+        # The checkpoint directory's own entry lives in its parent: a directory this save
+        # created is durable only once the parent is synced too.
+        _fsync_dir(os.path.dirname(self.path))
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))
