@@ -42,3 +42,11 @@ def test_killed_saves_leave_one_whole_checkpoint():
     print(result["counts"])
     assert not result["failures"], "\n".join(result["failures"])
     assert result["counts"].get("killed", 0) >= KILLS // 2  # most kills land inside a save
+
+
+def test_a_load_never_mixes_two_saves_of_values(tmp_path):
+    outs = run_ranks(cases.load_during_overwrite, 2, str(tmp_path), timeout=200, pg_timeout=60)
+    if all(o["error"] is None for o in outs):  # both read one save: fine
+        assert outs[0]["dest"] == outs[1]["dest"], [o["dest"] for o in outs]
+    else:  # or every rank refuses, saying why
+        assert all(o["error"] and "metadata differs" in o["error"]["message"] for o in outs), outs

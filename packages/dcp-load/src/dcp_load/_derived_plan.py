@@ -27,12 +27,18 @@ __all__ = ["derived_plan", "ensure_groups", "metadata_digest"]
 logger = logging.getLogger(__name__)
 
 
-def metadata_digest(tensors: Mapping[str, Any]) -> int:
+def metadata_digest(tensors: Mapping[str, Any], values: Mapping[str, Any] | None = None) -> int:
     """A hash of what planning reads from the checkpoint metadata (names, shapes, dtypes,
-    chunks and their files; for a chunk composed by ``sources=``, the saved chunk it reads)."""
-    return digest(*[(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file),
-                                                         *getattr(c, "origin", ()))
-                                                        for c in t.chunks)) for n, t in sorted(tensors.items())])
+    chunks and their files; for a chunk composed by ``sources=``, the saved chunk it reads)
+    and, given ``values`` (``ValueMeta`` by name), of the values: a checkpoint of values
+    only, overwritten during a load, must not give the ranks values of two saves."""
+    parts = [(n, tuple(t.shape), t.dtype, tuple((tuple(c.offsets), tuple(c.sizes), str(c.file),
+                                                 *getattr(c, "origin", ()))
+                                                for c in t.chunks)) for n, t in sorted(tensors.items())]
+    if values:
+        parts.append(tuple((n, v.file, v.key, v.checksum, None if v.checksum else repr(v.value))
+                           for n, v in sorted(values.items())))
+    return digest(*parts)
 
 
 def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
@@ -55,12 +61,14 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
 
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
-                 custom_planner: bool, watch: Any = None) -> GlobalPlan | None:
+                 custom_planner: bool, watch: Any = None, value_meta: Mapping[str, Any] | None = None
+                 ) -> GlobalPlan | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
     dict value of each name; ``settings``: what shapes the collectives (compared by hash);
-    ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
+    ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange;
+    ``value_meta``: the checkpoint's values, compared with the tensors' metadata.
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
@@ -69,7 +77,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
         try:
             shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
             entries = _entries(wants, values, rank, world, shapes)
-            meta_hash = metadata_digest(tensors)
+            meta_hash = metadata_digest(tensors, value_meta)
         except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
             logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
             entries = None

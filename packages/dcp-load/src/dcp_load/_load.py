@@ -211,7 +211,7 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
     from ._derived_plan import metadata_digest
 
     host = host_id() if broadcast else None
-    digest = metadata_digest(reader.metadata.tensors) if reader is not None else None
+    digest = metadata_digest(reader.metadata.tensors, _shared_values(reader)) if reader is not None else None
     gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
                                   payload=(wants, settings, host, digest))
     if len({s for _, s, _, _ in gathered_all}) > 1:
@@ -229,6 +229,12 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
                              "a copy that differs, a checkpoint re-saved during the load, or different sources="]
                          for g in groups[1:] for r in g}, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
+
+
+def _shared_values(reader: Any) -> Any:
+    """The values every rank reads alike, compared across ranks with the tensors' metadata:
+    a native checkpoint's (an overwrite during the load changes them); None for others."""
+    return reader.metadata.values if reader is not None and reader.format == "native" else None
 
 
 def _fallback_platform(exc: Exception) -> Any:
@@ -320,7 +326,7 @@ def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepa
     plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
                         failed=bool(errors), settings=settings, broadcast=broadcast,
                         same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter) if collective else None
+                        watch=coord.waiter, value_meta=_shared_values(reader)) if collective else None
     if plan is not None:
         phases.end("prepare")
         phases.end("plan")
