@@ -294,22 +294,20 @@ def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
     _assert_holds(saved, 2)
 
 
-def test_files_named_like_old_versions_but_not_written_by_them_are_kept(tmp_path):
+def test_files_named_like_old_versions_but_not_written_by_them_are_kept(saved):
     # A user's pickle named values.pkl and a plain safetensors file named rank-00000.safetensors
-    # (no native marker) in a directory that never held a native checkpoint: not leftovers.
+    # (no native marker), put beside a checkpoint whose metadata never named them: not leftovers.
     import pickle
 
     from safetensors.torch import save_file
 
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    (path / "values.pkl").write_bytes(pickle.dumps({"mine": 1}))
-    save_file({"x": torch.ones(2)}, str(path / "rank-00000.safetensors"))
-    before = {n: (path / n).read_bytes() for n in os.listdir(path)}
-    dcp_load.save(_state(1), checkpoint_id=path)
-    assert {n: (path / n).read_bytes() for n in before if (path / n).exists()} == before
-    assert verify_checkpoint(path).ok, verify_checkpoint(path).problems
-    _assert_holds(path, 1)
+    (saved / "values.pkl").write_bytes(pickle.dumps({"mine": 1}))
+    save_file({"x": torch.ones(2)}, str(saved / "rank-00000.safetensors"))
+    mine = {n: (saved / n).read_bytes() for n in ("values.pkl", "rank-00000.safetensors")}
+    assert verify_checkpoint(saved).ok, verify_checkpoint(saved).problems
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    assert {n: (saved / n).read_bytes() for n in mine if (saved / n).exists()} == mine
+    _assert_holds(saved, 2)
 
 
 def test_an_old_versions_checkpoint_is_removed_by_an_overwrite(tmp_path):
@@ -327,3 +325,26 @@ def test_an_old_versions_checkpoint_is_removed_by_an_overwrite(tmp_path):
     dcp_load.save(_state(2), checkpoint_id=path)
     assert not {"rank-00000.safetensors", "rank-00001.safetensors", "values.pkl"} & set(os.listdir(path))
     _assert_holds(path, 2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("kind", ["torch-dcp", "hf"])
+def test_a_save_into_another_formats_checkpoint_is_refused(tmp_path, kind):
+    # A native checkpoint beside it would hide it from load (dcp-metadata.json is detected
+    # first), and a killed save's data file made a one-file hf checkpoint undetectable.
+    import torch.distributed.checkpoint as tdcp
+    from safetensors.torch import save_file
+
+    path = tmp_path / "other"
+    if kind == "torch-dcp":
+        tdcp.save({"w": torch.ones(8, 4)}, checkpoint_id=str(path), no_dist=True)
+    else:
+        path.mkdir()
+        save_file({"w": torch.ones(8, 4)}, str(path / "weights.safetensors"))
+    before = _listing(path)
+    with pytest.raises(LoadError, match=rf"holds a {kind} checkpoint.*another directory"):
+        dcp_load.save(_state(1), checkpoint_id=path)
+    assert _listing(path) == before
+    got = {"w": torch.zeros(8, 4)}
+    dcp_load.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["w"], torch.ones(8, 4))

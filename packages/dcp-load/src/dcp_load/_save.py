@@ -216,6 +216,10 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     except (TypeError, ValueError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     note = _launch_note(no_dist)
+    foreign = _other_format(writer.path)
+    if foreign:
+        errors.append(foreign)
+        return None, encoded, _new_save_id(writer.path)
     try:
         lock = writer.lock(note)
     except (WriterLockError, OSError) as exc:
@@ -223,6 +227,23 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     else:
         errors.extend(_same_launch(lock.previous, note, writer.path))
     return lock, encoded, _new_save_id(writer.path)
+
+
+def _other_format(path: str) -> str | None:
+    """The refusal when ``path`` holds a checkpoint of another format: a native one beside
+    it would hide it from ``load`` (the native metadata is detected first), and a killed
+    save's data files can make it undetectable."""
+    from dcp_reader import CheckpointError, detect_format
+
+    try:
+        fmt = detect_format(path)
+    except CheckpointError:
+        return None  # no checkpoint, or an unfinished native save: nothing to hide
+    if fmt == "native":
+        return None
+    return (f"{path} holds a {fmt} checkpoint: a native checkpoint saved into the same directory would hide "
+            "it from load (dcp-metadata.json is detected first). Save into another directory (for example "
+            "a subdirectory), or move that checkpoint away first")
 
 
 def _new_save_id(path: str) -> str:
