@@ -348,3 +348,17 @@ def test_a_save_into_another_formats_checkpoint_is_refused(tmp_path, kind):
     got = {"w": torch.zeros(8, 4)}
     dcp_load.load(got, checkpoint_id=path, no_dist=True)
     assert torch.equal(got["w"], torch.ones(8, 4))
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "dangling symlink"])
+def test_a_checkpoint_id_that_is_not_a_directory_is_named(tmp_path, kind):
+    path = tmp_path / "target"
+    if kind == "file":
+        path.write_bytes(b"mine")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "nowhere", path)
+    with pytest.raises(LoadError, match=rf"{path}.* is a {kind}, not a directory.*checkpoint_id"):
+        dcp_load.save(_state(1), checkpoint_id=path)
+    assert os.path.lexists(path) and not os.path.exists(tmp_path / "nowhere")

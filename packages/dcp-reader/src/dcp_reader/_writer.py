@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -196,7 +197,14 @@ class NativeWriter:
         self.path = os.path.abspath(os.fspath(path))
         self.allow_pickle = bool(allow_pickle)
         self._replaced: set[str] = set()  # legacy files the metadata replaced by commit() named
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except FileExistsError:  # "File exists" alone reads like a refusal to overwrite
+            st = os.lstat(self.path)
+            kind = ("dangling symlink" if stat.S_ISLNK(st.st_mode) else "fifo" if stat.S_ISFIFO(st.st_mode)
+                    else "file" if stat.S_ISREG(st.st_mode) else "special file")
+            raise NotADirectoryError(f"{self.path} is a {kind}, not a directory: the checkpoint_id of a save names "
+                                     "the directory to write; pass another path, or move that one away") from None
 
     def _target(self, file_name: str) -> str:
         name = check_name(file_name, root=self.path)
