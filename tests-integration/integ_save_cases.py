@@ -100,3 +100,24 @@ def load_during_overwrite(rank: int, world: int, root: str) -> dict[str, Any]:
     finally:
         dcp_reader.open_checkpoint = real
     return {**out, "dest": dest}
+
+
+def relative_from_two_cwds(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A relative checkpoint_id from a different working directory on each rank: the ranks
+    name two directories, which must be refused before anything is written."""
+    import dcp_load
+
+    path = os.path.join(root, "ckpt")
+    dcp_load.save(sc.state(1, rank, world), checkpoint_id=path)
+    before = _listing(path)
+    cwd = os.path.join(root, f"cwd{rank}") if rank else root
+    os.makedirs(cwd, exist_ok=True)
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        out = outcome(lambda: dcp_load.save(sc.state(2, rank, world), checkpoint_id="ckpt"))
+    finally:
+        os.chdir(old)
+    out["unchanged"] = _listing(path) == before
+    out["elsewhere"] = sorted(os.listdir(os.path.join(cwd, "ckpt"))) if rank else []
+    return out

@@ -176,10 +176,15 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         if me == 0 and writer is not None:
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
         gathered = coord.exchange(exchange, errors, "save", collective=collective,
-                                  payload=(holdings, sorted(values), save_id))
+                                  payload=(holdings, sorted(values), save_id, path))
         save_id = gathered[0][2]  # rank 0's: every rank names the files alike
         tensors, per_rank, failures = _layout(gathered, save_id)
-        missing_values = sorted(set().union(*(set(v) for _, v, _ in gathered)) - set(gathered[0][1]))
+        for r, g in enumerate(gathered):
+            if g[3] != gathered[0][3]:  # a relative checkpoint_id from another working directory, say
+                failures.setdefault(r, []).append(
+                    f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
+                    "directory (an absolute path; a relative one depends on each process's working directory)")
+        missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
         if missing_values:
             failures.setdefault(0, []).append(
                 f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
