@@ -135,7 +135,7 @@ def _legacy_named(root_real: str) -> set[str]:
         return set()
     try:
         return files_named(load_native(root_real))
-    except CheckpointError:
+    except (CheckpointError, OSError):
         return set()  # no readable native metadata: nothing in the directory was committed by the writer
 
 
