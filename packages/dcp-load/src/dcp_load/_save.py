@@ -1,9 +1,10 @@
 """``save``: write a state dict in the native format, each replicated box once.
 
 Call order (every rank): rank 0 takes the directory's single-writer lock and serialises
-the non-tensor values (a second writer, or a value that cannot be stored, is refused
-here); all ranks all-gather what they hold (names, boxes, dtypes, global shapes: small
-tuples) and rank 0's new save id; every rank derives the same layout (one writer per
+the non-tensor values (a second writer, a directory holding another format's checkpoint,
+or a value that cannot be stored, is refused here); all ranks all-gather what they hold
+(names, boxes, dtypes, global shapes: small tuples), rank 0's new save id and the
+directory each rank resolved (they must agree); every rank derives the same layout (one writer per
 distinct box, balanced by bytes with the load planner's greedy rule) and checks it tiles
 every tensor. Nothing is written before all of this passed on every rank.
 
