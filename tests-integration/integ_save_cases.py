@@ -63,3 +63,61 @@ def refused_saves(rank: int, world: int, root: str) -> dict[str, Any]:
     if rank == 0:
         out["check"] = sc.check(path, 1, 2)
     return out
+
+
+def load_during_overwrite(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A checkpoint of values only, overwritten by another job's save after rank 0 opened it
+    and before rank 1 did: the ranks must not load values of two different saves."""
+    import time
+
+    import dcp_load
+    import dcp_reader
+    import torch.distributed as dist
+
+    path = os.path.join(root, "values-only")
+    dcp_load.save({"step": 1, "lrs": [0.1, 0.2]}, checkpoint_id=path)
+    dist.barrier()
+    flag = os.path.join(root, "overwritten")
+    real = dcp_reader.open_checkpoint
+
+    def opened(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:  # opens once the overwrite committed
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            return real(*args, **kwargs)
+        reader = real(*args, **kwargs)
+        try:  # the other job's save, committed while this load runs
+            dcp_load.save({"step": 2, "lrs": [0.2, 0.4]}, checkpoint_id=path, no_dist=True)
+        finally:
+            open(flag, "w").close()
+        return reader
+
+    dcp_reader.open_checkpoint = opened
+    try:
+        dest: dict[str, Any] = {"step": None, "lrs": None}
+        out = outcome(lambda: dcp_load.load(dest, checkpoint_id=path, timeout=60))
+    finally:
+        dcp_reader.open_checkpoint = real
+    return {**out, "dest": dest}
+
+
+def relative_from_two_cwds(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A relative checkpoint_id from a different working directory on each rank: the ranks
+    name two directories, which must be refused before anything is written."""
+    import dcp_load
+
+    path = os.path.join(root, "ckpt")
+    dcp_load.save(sc.state(1, rank, world), checkpoint_id=path)
+    before = _listing(path)
+    cwd = os.path.join(root, f"cwd{rank}") if rank else root
+    os.makedirs(cwd, exist_ok=True)
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        out = outcome(lambda: dcp_load.save(sc.state(2, rank, world), checkpoint_id="ckpt"))
+    finally:
+        os.chdir(old)
+    out["unchanged"] = _listing(path) == before
+    out["elsewhere"] = sorted(os.listdir(os.path.join(cwd, "ckpt"))) if rank else []
+    return out

@@ -42,3 +42,20 @@ def test_killed_saves_leave_one_whole_checkpoint():
     print(result["counts"])
     assert not result["failures"], "\n".join(result["failures"])
     assert result["counts"].get("killed", 0) >= KILLS // 2  # most kills land inside a save
+
+
+def test_a_load_never_mixes_two_saves_of_values(tmp_path):
+    outs = run_ranks(cases.load_during_overwrite, 2, str(tmp_path), timeout=200, pg_timeout=60)
+    if all(o["error"] is None for o in outs):  # both read one save: fine
+        assert outs[0]["dest"] == outs[1]["dest"], [o["dest"] for o in outs]
+    else:  # or every rank refuses, saying why
+        assert all(o["error"] and "metadata differs" in o["error"]["message"] for o in outs), outs
+
+
+def test_ranks_that_name_different_directories_are_refused_before_writing(tmp_path):
+    outs = run_ranks(cases.relative_from_two_cwds, 2, str(tmp_path), timeout=200, pg_timeout=60)
+    for out in outs:
+        err = out["error"]
+        assert err is not None and "every rank must pass the same directory" in err["message"], err
+        assert str(tmp_path / "cwd1" / "ckpt") in err["message"] and out["unchanged"]
+    assert outs[1]["elsewhere"] == []  # no data file written into the other directory

@@ -135,15 +135,16 @@ def test_leftovers_are_reported_then_removed_by_the_next_save(saved, capsys):
     assert len(pickles) == 1
     # an earlier save by 4 ranks (names without a save id, as older versions wrote), a killed
     # save's temporary file, and a file that is not the writer's
-    extra = ["rank-00001.safetensors", "rank-00003.0123456789ab.safetensors", "values.pkl",
+    extra = ["rank-00001.safetensors", "rank-00003.0123456789ab.safetensors",
              "rank-00000.0123456789ab.safetensors.tmp-4242", "dcp-metadata.json.tmp-77"]
-    for n in extra + ["notes.txt", "rank-1.safetensors"]:
+    for n in extra[1:] + ["notes.txt", "rank-1.safetensors"]:
         (saved / n).write_bytes(b"x" * 100)
+    NativeWriter(saved).write_file(extra[0], {"w@0": torch.ones(2)})  # the name without an id: a native file
     report = verify_checkpoint(saved)
     assert not report.ok and sorted(p.split("'")[1] for p in report.problems) == sorted(extra)
     assert cli(["verify", str(saved)]) == 1
     out = capsys.readouterr().out
-    assert out.count("PROBLEM stray file") == len(extra) and "5 problem(s)" in out
+    assert out.count("PROBLEM stray file") == len(extra) and "4 problem(s)" in out
 
     dcp_load.save(_state(2), checkpoint_id=saved)  # no pickled value now: its file goes too
     left = set(os.listdir(saved))
@@ -241,3 +242,123 @@ def test_two_ranks_of_a_launch_saving_with_no_dist_into_one_directory(tmp_path):
     saved = [int(line.split()[1]) for line in lines if line.startswith("SAVED")]
     assert len(saved) == 1 and sum(line.startswith("REFUSED") for line in lines) == 1, lines
     _assert_holds(path, saved[0])
+
+
+def test_a_failed_commit_keeps_the_old_checkpoint_and_removes_the_new_files(saved):
+    # The data file fits under RLIMIT_FSIZE, the metadata (holding a 100 KB value) does not:
+    # the kernel refuses the commit itself, after every data file was written.
+    before = _listing(saved)
+    script = textwrap.dedent(f"""
+        import resource, signal, torch, dcp_load
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            dcp_load.save({{"w": torch.ones(8), "note": "x" * 100_000}}, checkpoint_id={str(saved)!r})
+        except dcp_load.LoadError as e:
+            print("REFUSED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout and "commit" in out.stdout and "File too large" in out.stdout, \
+        out.stdout + out.stderr
+    assert _listing(saved) == before  # the new data file is gone with the failed commit
+    _assert_holds(saved, 1)
+
+
+def test_the_lock_file_follows_the_umask_like_the_data_files(tmp_path):
+    # a directory shared by a group (umask 002): every member must be able to save again
+    old = os.umask(0o002)
+    try:
+        dcp_load.save(_state(1), checkpoint_id=tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(tmp_path / "ckpt" / n).st_mode & 0o777 for n in os.listdir(tmp_path / "ckpt")}
+    assert set(modes.values()) == {0o664}, modes
+
+
+def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
+    # another user's lock file (mode 644 from an earlier save): flock needs no write access
+    import dcp_reader._save_lock as save_lock
+
+    real_open = os.open
+
+    def other_users_file(path, flags, *args):
+        if str(path).endswith(LOCK) and flags & (os.O_RDWR | os.O_WRONLY):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(save_lock.os, "open", other_users_file)
+    with NativeWriter(saved).lock():
+        with pytest.raises(WriterLockError):
+            NativeWriter(saved).lock()  # still exclusive
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    _assert_holds(saved, 2)
+
+
+def test_files_named_like_old_versions_but_not_written_by_them_are_kept(saved):
+    # A user's pickle named values.pkl and a plain safetensors file named rank-00000.safetensors
+    # (no native marker), put beside a checkpoint whose metadata never named them: not leftovers.
+    import pickle
+
+    from safetensors.torch import save_file
+
+    (saved / "values.pkl").write_bytes(pickle.dumps({"mine": 1}))
+    save_file({"x": torch.ones(2)}, str(saved / "rank-00000.safetensors"))
+    mine = {n: (saved / n).read_bytes() for n in ("values.pkl", "rank-00000.safetensors")}
+    assert verify_checkpoint(saved).ok, verify_checkpoint(saved).problems
+    dcp_load.save(_state(2), checkpoint_id=saved)
+    assert {n: (saved / n).read_bytes() for n in mine if (saved / n).exists()} == mine
+    _assert_holds(saved, 2)
+
+
+def test_an_old_versions_checkpoint_is_removed_by_an_overwrite(tmp_path):
+    # what dcp-reader 0.3 wrote: names without a save id, the pickled values in values.pkl
+    from dcp_reader import CheckpointMetadata, ChunkMeta, TensorMeta, chunk_key
+
+    path = tmp_path / "ckpt"
+    w = NativeWriter(path, allow_pickle=True)
+    w.write_file("rank-00000.safetensors", {chunk_key("w", (0,)): torch.ones(4)})
+    w.write_file("rank-00001.safetensors", {chunk_key("w", (2,)): torch.ones(2)})  # a killed save's
+    values = w.write_values({"sched": Schedule()})
+    w.commit(CheckpointMetadata(tensors={"w": TensorMeta("w", (4,), "float32", (
+        ChunkMeta((0,), (4,), "rank-00000.safetensors", chunk_key("w", (0,))),))}, values=values, format="native"))
+    assert [p.split("'")[1] for p in verify_checkpoint(path).problems] == ["rank-00001.safetensors"]
+    dcp_load.save(_state(2), checkpoint_id=path)
+    assert not {"rank-00000.safetensors", "rank-00001.safetensors", "values.pkl"} & set(os.listdir(path))
+    _assert_holds(path, 2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("kind", ["torch-dcp", "hf"])
+def test_a_save_into_another_formats_checkpoint_is_refused(tmp_path, kind):
+    # A native checkpoint beside it would hide it from load (dcp-metadata.json is detected
+    # first), and a killed save's data file made a one-file hf checkpoint undetectable.
+    import torch.distributed.checkpoint as tdcp
+    from safetensors.torch import save_file
+
+    path = tmp_path / "other"
+    if kind == "torch-dcp":
+        tdcp.save({"w": torch.ones(8, 4)}, checkpoint_id=str(path), no_dist=True)
+    else:
+        path.mkdir()
+        save_file({"w": torch.ones(8, 4)}, str(path / "weights.safetensors"))
+    before = _listing(path)
+    with pytest.raises(LoadError, match=rf"holds a {kind} checkpoint.*another directory"):
+        dcp_load.save(_state(1), checkpoint_id=path)
+    assert _listing(path) == before
+    got = {"w": torch.zeros(8, 4)}
+    dcp_load.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["w"], torch.ones(8, 4))
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo", "dangling symlink"])
+def test_a_checkpoint_id_that_is_not_a_directory_is_named(tmp_path, kind):
+    path = tmp_path / "target"
+    if kind == "file":
+        path.write_bytes(b"mine")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "nowhere", path)
+    with pytest.raises(LoadError, match=rf"{path}.* is a {kind}, not a directory.*checkpoint_id"):
+        dcp_load.save(_state(1), checkpoint_id=path)
+    assert os.path.lexists(path) and not os.path.exists(tmp_path / "nowhere")

@@ -39,23 +39,44 @@ _FOREIGN = st.one_of(
 )
 
 
+_MARKED = b'{"__metadata__":{"dcp_format":"native"}}'
+
+
+def _write(root: str, name: str, native: bool) -> None:
+    # a legacy data name holds a native data file's header when the writer wrote it
+    with open(os.path.join(root, name), "wb") as f:
+        f.write(len(_MARKED).to_bytes(8, "little") + _MARKED if native else b"x")
+
+
 @settings(max_examples=60, deadline=None)
 @given(own=st.lists(st.tuples(_OWN, st.booleans()), max_size=8, unique_by=lambda x: x[0]),
-       foreign=st.lists(_FOREIGN, max_size=5, unique=True), named_count=st.integers(0, 8))
-def test_stray_files_are_exactly_the_writers_unnamed_files(own, foreign, named_count):
+       foreign=st.lists(_FOREIGN, max_size=5, unique=True), named_count=st.integers(0, 8),
+       legacy_foreign=st.lists(st.integers(0, 99), max_size=3), values_replaced=st.booleans())
+def test_stray_files_are_exactly_the_writers_unnamed_files(own, foreign, named_count, legacy_foreign,
+                                                           values_replaced):
     with tempfile.TemporaryDirectory() as root:
         own_names = [n + (f".tmp-{len(n)}" if tmp else "") for n, tmp in own]
-        foreign = [n for n in foreign if n not in own_names]
-        for n in own_names + foreign:
-            with open(os.path.join(root, n), "wb") as f:
-                f.write(b"x")
+        # names older versions used but not written by the writer: a data file name holding
+        # no native header, and a values.pkl that the replaced metadata did not name
+        foreign = foreign + [f"rank-{r:05d}.safetensors" for r in legacy_foreign]
+        if "values.pkl" in own_names and not values_replaced:
+            own_names.remove("values.pkl")
+            foreign.append("values.pkl")
+        foreign = list(dict.fromkeys(n for n in foreign if n not in own_names))
+        for n in own_names:
+            _write(root, n, True)
+        for n in foreign:
+            _write(root, n, False)
         data = [n for n in own_names if n.endswith(".safetensors")][:named_count]
         chunks = tuple(ChunkMeta((i,), (1,), n, chunk_key("t", (i,))) for i, n in enumerate(data))
         meta = CheckpointMetadata(tensors={"t": TensorMeta("t", (len(data),), "uint8", chunks)} if data else {},
                                   values={}, format="native")
+        replaced = {"values.pkl"} if values_replaced else set()
         want = sorted(set(own_names) - set(data))
-        assert stray_files(root, meta) == want
-        assert sorted(NativeWriter(root).remove_stray(meta)) == want
+        assert stray_files(root, meta, replaced) == want
+        w = NativeWriter(root)
+        w._replaced = replaced  # what commit() found in the metadata it replaced
+        assert sorted(w.remove_stray(meta)) == want
         assert sorted(os.listdir(root)) == sorted(set(data) | set(foreign))
 
 
@@ -112,3 +133,24 @@ def test_the_lock_refuses_a_second_holder_and_records_the_last_commit(tmp_path):
     third = NativeWriter(tmp_path).lock()
     assert third.previous["who"] == "first"
     third.release()
+
+
+def test_commit_makes_a_new_checkpoint_directory_durable(tmp_path, monkeypatch):
+    # the entry of a directory the save created lives in its parent: without an fsync of the
+    # parent, a power loss after save returned can take the whole checkpoint directory away
+    import dcp_reader._writer as writer_module
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(writer_module.os, "fsync", fsync)
+    w = NativeWriter(tmp_path / "new")
+    w.write_file(data_file_name(0, "0" * 12), {"t@0": __import__("numpy").ones(2, "uint8")})
+    w.commit(CheckpointMetadata(tensors={"t": TensorMeta("t", (2,), "uint8", (
+        ChunkMeta((0,), (2,), data_file_name(0, "0" * 12), "t@0"),))}, values={}, format="native"))
+    meta = next(i for i, p in enumerate(synced) if os.path.basename(p).startswith("dcp-metadata.json"))
+    assert str(tmp_path) in synced[meta:], synced  # after the metadata: the commit made the directory durable

@@ -1,9 +1,10 @@
 """``save``: write a state dict in the native format, each replicated box once.
 
 Call order (every rank): rank 0 takes the directory's single-writer lock and serialises
-the non-tensor values (a second writer, or a value that cannot be stored, is refused
-here); all ranks all-gather what they hold (names, boxes, dtypes, global shapes: small
-tuples) and rank 0's new save id; every rank derives the same layout (one writer per
+the non-tensor values (a second writer, a directory holding another format's checkpoint,
+or a value that cannot be stored, is refused here); all ranks all-gather what they hold
+(names, boxes, dtypes, global shapes: small tuples), rank 0's new save id and the
+directory each rank resolved (they must agree); every rank derives the same layout (one writer per
 distinct box, balanced by bytes with the load planner's greedy rule) and checks it tiles
 every tensor. Nothing is written before all of this passed on every rank.
 
@@ -182,10 +183,15 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         if me == 0 and writer is not None:
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
         gathered = coord.exchange(exchange, errors, "save", collective=collective,
-                                  payload=(holdings, sorted(values), save_id))
+                                  payload=(holdings, sorted(values), save_id, path))
         save_id = gathered[0][2]  # rank 0's: every rank names the files alike
         tensors, per_rank, failures = _layout(gathered, save_id)
-        missing_values = sorted(set().union(*(set(v) for _, v, _ in gathered)) - set(gathered[0][1]))
+        for r, g in enumerate(gathered):
+            if g[3] != gathered[0][3]:  # a relative checkpoint_id from another working directory, say
+                failures.setdefault(r, []).append(
+                    f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
+                    "directory (an absolute path; a relative one depends on each process's working directory)")
+        missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
         if missing_values:
             failures.setdefault(0, []).append(
                 f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
@@ -222,6 +228,10 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     except (TypeError, ValueError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     note = _launch_note(no_dist)
+    foreign = _other_format(writer.path)
+    if foreign:
+        errors.append(foreign)
+        return None, encoded, _new_save_id(writer.path)
     try:
         lock = writer.lock(note)
     except (WriterLockError, OSError) as exc:
@@ -229,6 +239,23 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     else:
         errors.extend(_same_launch(lock.previous, note, writer.path))
     return lock, encoded, _new_save_id(writer.path)
+
+
+def _other_format(path: str) -> str | None:
+    """The refusal when ``path`` holds a checkpoint of another format: a native one beside
+    it would hide it from ``load`` (the native metadata is detected first), and a killed
+    save's data files can make it undetectable."""
+    from dcp_reader import CheckpointError, detect_format
+
+    try:
+        fmt = detect_format(path)
+    except CheckpointError:
+        return None  # no checkpoint, or an unfinished native save: nothing to hide
+    if fmt == "native":
+        return None
+    return (f"{path} holds a {fmt} checkpoint: a native checkpoint saved into the same directory would hide "
+            "it from load (dcp-metadata.json is detected first). Save into another directory (for example "
+            "a subdirectory), or move that checkpoint away first")
 
 
 def _new_save_id(path: str) -> str:
@@ -298,11 +325,14 @@ def _write(writer: Any, me: int, mine: list[ReadItem], targets: dict[str, Any], 
 
 def _commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
     """Rank 0: switch the directory to the new files (the metadata, in one rename), then
-    remove what the new metadata does not name."""
+    remove what the new metadata does not name. When the commit fails, the files the new
+    metadata names are removed: all carry this save's id, so none is the committed one's."""
     try:
         writer.commit(metadata)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"commit: {type(exc).__name__}: {exc}")
+        new = {c.file for t in metadata.tensors.values() for c in t.chunks}
+        writer.discard(sorted(new | {v.file for v in metadata.values.values() if v.file is not None}))
         return
     lock.committed()
     writer.remove_stray(metadata)

@@ -73,12 +73,18 @@ class WriterLock:
         self.previous: dict[str, Any] | None = None  # the record of the last writer that committed
         self._started = time.time()
         self._fd = -1
+        self._readonly = False
 
     def acquire(self) -> WriterLock:
         import fcntl
 
-        fd = os.open(self.file, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0),
-                     0o644)
+        flags = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:  # 0o666 less the umask, like the data files: in a directory a group shares, any member saves
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | flags, 0o666)
+        except PermissionError:
+            # another user's lock file: flock needs no write access, only the record is not kept
+            fd = os.open(self.file, os.O_RDONLY | flags)
+            self._readonly = True
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -110,6 +116,8 @@ class WriterLock:
             "wait for it to finish, or save into another directory", path=self.path, holder=holder)
 
     def _write(self, extra: Mapping[str, Any]) -> None:
+        if self._readonly:
+            return
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started, **self.note, **extra}
         raw = json.dumps(record, default=str).encode()
         os.ftruncate(self._fd, 0)

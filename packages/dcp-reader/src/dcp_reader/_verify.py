@@ -106,7 +106,7 @@ def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointR
 
 def _strays(root: str, meta: CheckpointMetadata) -> list[str]:
     if is_uri(root):
-        return stray_among(ObjectStorage(root).names(), meta)
+        return stray_among(ObjectStorage(root).names(), meta, legacy=False)
     return stray_files(root, meta)
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -15,12 +16,21 @@ from typing import Any
 
 from ._checksum import block_digests
 from ._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
-from ._errors import UnknownDtypeError, summarise
+from ._errors import CheckpointError, UnknownDtypeError, summarise
 from ._model import CheckpointMetadata, ValueMeta
 from ._save_lock import NoLock, WriterLock
 from ._value_sums import bytes_checksum, canonical_json, value_checksum
 from ._values import decode_value, is_storable_value
-from .formats._native import CHECKSUMS_KEY, MARKER_KEY, MARKER_VALUE, METADATA_FILE, stray_among, stray_files
+from .formats._native import (
+    CHECKSUMS_KEY,
+    MARKER_KEY,
+    MARKER_VALUE,
+    METADATA_FILE,
+    files_named,
+    load_native,
+    stray_among,
+    stray_files,
+)
 from .formats._safetensors_file import read_header_at
 from .storage._object import ObjectStorage
 from .storage._paths import check_files, check_name
@@ -124,6 +134,17 @@ def _atomic_write(final: str, chunks: list[Any]) -> int:
     return n
 
 
+def _legacy_named(root_real: str) -> set[str]:
+    """The files the committed metadata names, read only when a ``values.pkl`` (a name of
+    dcp-reader 0.3 and earlier, that nothing else tells apart from a user's file) is there."""
+    if not os.path.lexists(os.path.join(root_real, "values.pkl")):
+        return set()
+    try:
+        return files_named(load_native(root_real))
+    except (CheckpointError, OSError):
+        return set()  # no readable native metadata: nothing in the directory was committed by the writer
+
+
 @dataclasses.dataclass(frozen=True)
 class EncodedValues:
     """Non-tensor values serialised by ``NativeWriter.encode_values``: the JSON ones (with
@@ -182,8 +203,17 @@ class NativeWriter:
         # an object store (s3://bucket/prefix): files go up with storage.put, see _atomic_write
         self.path = real_root(path) if is_uri(os.fspath(path)) else os.path.abspath(os.fspath(path))
         self.allow_pickle = bool(allow_pickle)
+        self._replaced: set[str] = set()  # legacy files the metadata replaced by commit() named
         if not is_uri(self.path):
-            os.makedirs(self.path, exist_ok=True)
+            try:
+                os.makedirs(self.path, exist_ok=True)
+            except FileExistsError:  # "File exists" alone reads like a refusal to overwrite
+                st = os.lstat(self.path)
+                kind = ("dangling symlink" if stat.S_ISLNK(st.st_mode) else "fifo" if stat.S_ISFIFO(st.st_mode)
+                        else "file" if stat.S_ISREG(st.st_mode) else "special file")
+                raise NotADirectoryError(f"{self.path} is a {kind}, not a directory: the checkpoint_id of a save "
+                                         "names the directory to write; pass another path, or move that one "
+                                         "away") from None
 
     def _target(self, file_name: str) -> str:
         name = check_name(file_name, root=self.path)
@@ -302,11 +332,11 @@ class NativeWriter:
         removed = []
         if is_uri(self.path):
             store = ObjectStorage(self.path)
-            for name in stray_among(store.names(), metadata):
+            for name in stray_among(store.names(), metadata, legacy=False):
                 store.delete(name)
                 removed.append(name)
             return removed
-        for name in stray_files(os.path.realpath(self.path), metadata):
+        for name in stray_files(os.path.realpath(self.path), metadata, self._replaced):
             try:
                 os.unlink(os.path.join(self.path, name))
                 removed.append(name)
@@ -344,6 +374,11 @@ class NativeWriter:
         root = real_root(self.path)
         check_files(root, files)
         metadata = with_checksums(root, metadata)
+        self._replaced = set() if is_uri(self.path) else _legacy_named(root)
         _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
+        if not is_uri(self.path):
+            # The checkpoint directory's own entry lives in its parent: a directory this save
+            # created is durable only once the parent is synced too.
+            _fsync_dir(os.path.dirname(self.path))
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))

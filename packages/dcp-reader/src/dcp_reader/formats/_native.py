@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from .._errors import CheckpointError, MissingFileError, MissingMetadataError
 from .._model import CheckpointMetadata
@@ -31,6 +31,8 @@ SAVE_ID_RE = re.compile(r"[0-9a-f]{12}")
 # removed as leftovers or reported as stray; anything else in the directory is the user's.
 _OWN_FILE_RE = re.compile(r"(?:rank-\d{5}(?:\.[0-9a-f]{12})?\.safetensors|values(?:\.[0-9a-f]{12})?\.pkl"
                           r"|dcp-metadata\.json)(?:\.tmp-\d+)?")
+_LEGACY_DATA_RE = re.compile(r"rank-\d{5}\.safetensors")
+_LEGACY_VALUES = "values.pkl"
 # The single-writer lock (see _save_lock): never stray, never removed.
 LOCK_FILE = ".dcp-save.lock"
 
@@ -45,24 +47,51 @@ def values_file_name(save_id: str) -> str:
     return f"values.{save_id}.pkl"
 
 
-def stray_files(root: str, metadata: CheckpointMetadata) -> list[str]:
+def stray_files(root: str, metadata: CheckpointMetadata, replaced: Collection[str] = ()) -> list[str]:
     """Top-level files of ``root`` that the native writer names (data, values and temporary
     files) but ``metadata`` does not refer to: left by an earlier, larger save, by a killed
-    save, or being written by a save in progress. Sorted; [] when the directory cannot be
-    listed."""
+    save, or being written by a save in progress. A name without a save id counts only when
+    the file is the writer's (see ``_writers``); ``replaced``: the files named by the
+    metadata that ``metadata`` replaced. Sorted; [] when the directory cannot be listed."""
     try:
         with os.scandir(root) as it:
             names = [e.name for e in it if e.is_file(follow_symlinks=False)]
     except OSError:
         return []
-    return stray_among(names, metadata)
+    return [n for n in stray_among(names, metadata) if _writers(root, n, replaced)]
 
 
-def stray_among(names: Iterable[str], metadata: CheckpointMetadata) -> list[str]:
-    """Of the top-level file (or object) ``names``, those ``stray_files`` reports. Sorted."""
+def stray_among(names: Iterable[str], metadata: CheckpointMetadata, *, legacy: bool = True) -> list[str]:
+    """Of the top-level file (or object) ``names``, those named like the writer's files and
+    not referred to by ``metadata``; ``legacy=False`` leaves out the names of dcp-reader 0.3
+    and earlier (without a save id), which a listing alone cannot tell from a user's. Sorted."""
+    named = files_named(metadata)
+    return sorted(n for n in names if n not in named and n != METADATA_FILE and _OWN_FILE_RE.fullmatch(n)
+                  and (legacy or not (n == _LEGACY_VALUES or _LEGACY_DATA_RE.fullmatch(n))))
+
+
+def files_named(metadata: CheckpointMetadata) -> set[str]:
+    """The data and values files ``metadata`` refers to."""
     named = {c.file for t in metadata.tensors.values() for c in t.chunks}
-    named |= {v.file for v in metadata.values.values() if v.file is not None}
-    return sorted(n for n in names if n not in named and n != METADATA_FILE and _OWN_FILE_RE.fullmatch(n))
+    return named | {v.file for v in metadata.values.values() if v.file is not None}
+
+
+def _writers(root: str, name: str, replaced: Collection[str]) -> bool:
+    """Whether a file named like the writer's is the writer's. Names with a save id and
+    temporary files are; the names of dcp-reader 0.3 and earlier are common enough to be a
+    user's or another tool's: ``rank-NNNNN.safetensors`` counts only when its header carries
+    the native marker, ``values.pkl`` (no header) only when the replaced metadata named it."""
+    if name == _LEGACY_VALUES:
+        return name in replaced
+    if not _LEGACY_DATA_RE.fullmatch(name):
+        return True
+    from ._safetensors_file import read_header_at
+
+    try:
+        meta = read_header_at(root, name).metadata or {}
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: not one the writer wrote
+        return False
+    return meta.get(MARKER_KEY) == MARKER_VALUE
 
 
 def chunk_key(name: str, offsets: tuple[int, ...] | list[int]) -> str:
