@@ -3,6 +3,7 @@ it is about, gives the actual values and says how to fix the problem."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 
@@ -151,3 +152,21 @@ def _put(obj: object, out: list[str], left: list[int], depth: int) -> None:
         piece = repr(obj)[:left[0]]  # this package's own small records
     out.append(piece)
     left[0] -= len(piece)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def clean_text(text: str, limit: int = 200) -> str:
+    """Another library's error text made fit to quote inside one line of ours: terminal
+    escape codes removed, whitespace collapsed, cut at a sentence end or else a word
+    boundary within ``limit`` characters (an ellipsis marks the cut)."""
+    text = " ".join(_ANSI.sub("", text).split())
+    if len(text) <= limit:
+        return text
+    head = text[:limit]
+    sentence = max(head.rfind(". "), head.rfind("; "))
+    if sentence >= min(40, limit // 2):
+        return head[:sentence + 1]
+    space = head.rfind(" ")
+    return (head[:space] if space >= limit // 2 else head[:limit - 1]).rstrip(" ,;:") + "…"

@@ -37,7 +37,7 @@ from ._errors import (
     summarise,
 )
 from ._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ._paths import METADATA_LIMIT, check_files, read_regular
+from ._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from ._unpickle import _record_class, _RestrictedUnpickler
 
 FORMAT = "hyper-parallel"
@@ -120,11 +120,17 @@ def detect_hyper(root_real: str, names: set[str]) -> bool:
     if METADATA_FILE in names:
         if any(n.endswith(".distcp") for n in names):
             return False
-        try:
-            with open(os.path.join(root_real, METADATA_FILE), "rb") as f:
-                head = f.read(4096)  # the pickle names Metadata's module first
-        except OSError:  # unreadable: let the torch-dcp reader (or the data files) decide
+        try:  # a regular file inside the directory: a FIFO would block, a link out is not ours
+            fd = open_regular(root_real, METADATA_FILE, key=METADATA_FILE)
+        except CheckpointError:  # the reader that opens it reports why
             head = b""
+        else:
+            try:
+                head = os.pread(fd, 4096, 0)  # the pickle names Metadata's module first
+            except OSError:  # unreadable: let the torch-dcp reader (or the data files) decide
+                head = b""
+            finally:
+                os.close(fd)
         return _MARKER in head or any(_RANK_DATA.fullmatch(n) for n in names)
     if rank_metadata_files(root_real, names):
         return True

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._dtypes import DTYPE_NAMES, itemsize
-from ._errors import CheckpointError, MetadataError, short_repr
+from ._errors import CheckpointError, MetadataError, UnsafePickleError, short_repr
+from ._pickle_scan import scan_pickle
 from ._pread import pread_into
-from ._unpickle import _TORCH_DTYPES, Inert, _Dtype, _RestrictedUnpickler, charged, counted
+from ._unpickle import _TORCH_DTYPES, Inert, _Dtype, _RestrictedUnpickler, charged, counted, is_bomb
 
 # First and last bytes of a blob read to find its index. torch.save's data.pkl and the
 # storage entry's local header end at byte ~770 of a one-tensor blob and its central
@@ -387,3 +388,51 @@ def parse_blob(fd: int, offset: int, length: int, *, path: str, key: str) -> tup
                         f"{soff} reaches byte {(last + 1) * width} of its {nbytes}-byte storage")
     start, _ = _data(b, entry, data_end)
     return BlobTensor(dtype, size, stride, start + soff * width), b.spent
+
+
+# torch's legacy format is five pickles back to back (magic number, protocol, system info,
+# the object, the storage keys), then the storages' raw bytes
+_LEGACY_PICKLES = 5
+
+
+def check_blob_pickles(fd: int, offset: int, length: int, blob: bytes | bytearray, *, path: str, key: str) -> None:
+    """Refuse the torch.save blob ``blob`` (read from (``offset``, ``length``) of ``fd``) when a
+    pickle torch.load would unpickle from it fails ``scan_pickle``: torch.load, with
+    weights_only or not, hashes and copies what the pickle builds in C, where a dict key of
+    200,000 nested tuples overflowed the stack (SIGSEGV). UnsafePickleError for a bomb,
+    MetadataError for anything else that cannot be checked."""
+    b = _Blob(fd, offset, length, path, key)
+    if b.head[:4] == b"PK\x03\x04":
+        entries, order, data_end = _directory(b)
+        prefix = order[0].split("/", 1)[0] if order and "/" in order[0] else None
+        pkl = entries.get(f"{prefix}/data.pkl")
+        if pkl is None:
+            raise b.bad(f"no data.pkl entry (entries: {short_repr(order[:8], 200)})")
+        try:
+            _, raw = _data(b, pkl, data_end, limit=length)
+        except CannotNarrow as e:
+            raise b.bad(f"its data.pkl cannot be checked before torch.load reads it ({e})") from None
+        pickles = [(bytes(raw or b""), 0, "its data.pkl")]
+    else:  # legacy: the pickles lie at the start, one after another
+        data = bytes(blob)
+        pickles, at = [], 0
+        for i in range(_LEGACY_PICKLES):
+            problem, end = scan_pickle(data, at)
+            pickles.append((data, at, f"its pickle #{i + 1} (legacy format)"))
+            if problem:
+                _refuse(b, problem, pickles[-1][2])
+            at = end
+        return
+    for data, at, what in pickles:
+        problem, _ = scan_pickle(data, at)
+        if problem:
+            _refuse(b, problem, what)
+
+
+def _refuse(b: _Blob, problem: str, what: str) -> None:
+    if is_bomb(problem):
+        raise UnsafePickleError(f"{what} in the torch.save payload of {b.key!r} at (offset, length) "
+                                f"({b.offset}, {b.length}): {problem}; refusing it before torch.load builds "
+                                "anything. The file is corrupt or hostile: re-save the checkpoint",
+                                path=b.path, key=b.key)
+    raise b.bad(f"{what} cannot be unpickled ({problem})")
