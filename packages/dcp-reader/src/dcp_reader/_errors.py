@@ -121,6 +121,8 @@ def _put(obj: object, out: list[str], left: list[int], depth: int) -> None:
         piece = repr(obj) if obj.bit_length() <= 256 else f"<int of {obj.bit_length()} bits>"  # type: ignore[attr-defined]
     elif kind in (float, bool, type(None), complex):
         piece = repr(obj)
+    elif kind in (set, frozenset) and not obj:
+        piece = f"{kind.__name__}()"
     elif kind in _OPEN:
         opening, closing = _OPEN[kind]
         out.append(opening)

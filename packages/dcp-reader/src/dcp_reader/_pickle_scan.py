@@ -22,7 +22,8 @@ stack, the memo, containers holding it), so a container filled after it was memo
 (APPEND, SETITEM(S), ADDITEMS, BUILD) is longer and deeper for every reference. A
 container already placed inside another when it deepens does not update that parent's
 depth: only tuples and frozensets hash their items, and a tuple's items are fixed when it
-is built. A call's result is given the length it was charged (what it could have copied).
+is built. A call's result is given the longest of its arguments and their items (what it could
+hold a copy of).
 """
 
 from __future__ import annotations
@@ -147,6 +148,13 @@ class _Refused(Exception):
     pass
 
 
+def _longest(node: Any) -> int:
+    """What a call given the container ``node`` (its args) can hold: a copy of it or of one
+    of its items (torch.Size(list), OrderedDict(pairs), a record of its args); not their sum,
+    which would grow along a chain of calls without anything being copied."""
+    return max(node[1], max((item[1] for item in node[2]), default=0))
+
+
 class _Walk:
     """The stack, marks and memo of nodes, kept as pickle's C unpickler keeps its objects
     (nothing below the last mark can be popped), and what the calls may copy."""
@@ -247,11 +255,13 @@ class _Walk:
         elif kind == _CALL:  # REDUCE, NEWOBJ(_EX): callable, args[, kwargs]; BINPERSID: pid
             items = self._take(take)
             args = items[1:] if take > 1 else items
-            copied = sum(self._charge(a[1], a[2]) for a in args)
-            stack.append(self._node(items, copied))
+            for a in args:
+                self._charge(a[1], a[2])
+            stack.append(self._node(items, max(_longest(a) for a in args)))
         elif kind == _CALL_MARK:  # OBJ, INST: a class called with the items above the mark
             items = self._to_mark()
-            stack.append(self._node(items, self._charge(len(items), items)))
+            self._charge(len(items), items)
+            stack.append(self._node(items, _longest([len(items), 0, items])))
         elif kind == _GLOBAL2:
             self._take(2)
             stack.append(_LEAF)
@@ -260,7 +270,10 @@ class _Walk:
             self._fill(self._top(), items, 1)
         elif kind == _BUILD:
             state = self._take(1)
-            self._fill(self._top(), state, self._charge(state[0][1], state[0][2]))
+            self._charge(state[0][1], state[0][2])
+            node = self._top()
+            self._fill(node, state, 0)
+            node[1] = max(node[1], _longest(state[0]))
         elif kind == _FROM_MARK:
             items = self._to_mark()
             stack.append(self._node(items, len(items)))
