@@ -452,3 +452,12 @@ def test_short_repr_stays_within_its_limit_and_is_repr_when_short(obj, limit):
     assert len(text) <= limit
     if type(obj) in (int, str, bytes, list, tuple, dict) and len(repr(obj)) <= limit and not isinstance(obj, dict):
         assert text == repr(obj) or "int of" in text
+
+
+def test_a_long_string_copied_item_by_item_by_many_calls_is_refused():
+    """list(s) of one shared 200,000-character str 5,000 times: 3 GiB from 200 KB (found by
+    the fuzzer in a native values.pkl)."""
+    p = (b"\x80\x02cbuiltins\nlist\nq\x00" + _u("x" * 200_000) + b"q\x01(" + b"h\x00h\x01\x85R" * 5_000
+         + b"l.")
+    problem, _ = scan_pickle(p)
+    assert problem and "copy more than" in problem

@@ -260,10 +260,16 @@ class CheckpointMetadata:
                 tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
             values = {}
             for name, v in _obj(doc, "values").items():
+                if "value" not in v and "file" not in v:  # a renamed key would read as the value None
+                    raise MetadataError(f"value {name!r} has neither 'value' nor 'file' (keys "
+                                        f"{short_repr(sorted(v))}); the metadata file is corrupt: re-copy or "
+                                        "re-save the checkpoint", key=name)
                 values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
                                          key=v.get("key"), storage=v.get("storage"), checksum=value_sums.get(name))
         except RecursionError:
             raise MetadataError("a value in the metadata is nested too deeply; the file is corrupt") from None
+        except MetadataError:
+            raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
                                 "corrupt or from an incompatible writer") from None

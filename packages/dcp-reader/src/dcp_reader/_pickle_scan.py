@@ -73,7 +73,8 @@ _TEXT_INDEX = {ord("p"), ord("g")}  # PUT, GET: the index is a decimal line
 _FRAME = ord("\x95")
 
 
-_LEAF = (0, 0, ())  # scalars, globals: nothing inside (never changed: nodes that change are lists)
+_LEAF = (0, 0, ())  # scalars, globals: nothing inside (tuples are never changed: nodes that change are lists)
+_SHORT = 24  # opcodes of at most this many bytes push a _LEAF: a copy of a short str costs what its bytes do
 
 
 def copy_budget(size: int) -> int:
@@ -128,7 +129,8 @@ def scan_pickle(data: bytes, start: int = 0, *, max_depth: int = MAX_DEPTH, budg
                 return f"opcode {code:#x} at byte {at} gives length {length}, which {why}", at
             pos += width + length
         if kind == _SCALAR:  # the most common opcodes first, without a call
-            stack.append(_LEAF)
+            # a long str or bytes is as long as its text: list(s) copies it item by item
+            stack.append(_LEAF if pos - at <= _SHORT else (0, pos - at, ()))
             continue
         if kind == _GET and index is not None and index < len(memo):
             stack.append(memo[index])
@@ -192,8 +194,8 @@ class _Walk:
         if len(self.stack) <= self._fence():
             raise _Refused("stack underflow")
         node = self.stack[-1]
-        if node is _LEAF:
-            node = self.stack[-1] = [0, 0, []]
+        if type(node) is tuple:  # a leaf given state: a node of its own from now on
+            node = self.stack[-1] = [node[0], node[1], []]
         return node
 
     def _node(self, items: list, length: int) -> list:
