@@ -260,7 +260,8 @@ class CheckpointMetadata:
                 tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
             values = {}
             for name, v in _obj(doc, "values").items():
-                if "value" not in v and "file" not in v:  # a renamed key would read as the value None
+                if "value" not in v and "file" not in v and name not in value_sums:
+                    # a renamed key would read as the value None, with no checksum to catch it
                     raise MetadataError(f"value {name!r} has neither 'value' nor 'file' (keys "
                                         f"{short_repr(sorted(v))}); the metadata file is corrupt: re-copy or "
                                         "re-save the checkpoint", key=name)
