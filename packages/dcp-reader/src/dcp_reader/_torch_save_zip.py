@@ -402,31 +402,25 @@ def check_blob_pickles(fd: int, offset: int, length: int, blob: bytes | bytearra
     200,000 nested tuples overflowed the stack (SIGSEGV). UnsafePickleError for a bomb,
     MetadataError for anything else that cannot be checked."""
     b = _Blob(fd, offset, length, path, key)
-    if b.head[:4] == b"PK\x03\x04":
-        entries, order, data_end = _directory(b)
-        prefix = order[0].split("/", 1)[0] if order and "/" in order[0] else None
-        pkl = entries.get(f"{prefix}/data.pkl")
-        if pkl is None:
-            raise b.bad(f"no data.pkl entry (entries: {short_repr(order[:8], 200)})")
-        try:
-            _, raw = _data(b, pkl, data_end, limit=length)
-        except CannotNarrow as e:
-            raise b.bad(f"its data.pkl cannot be checked before torch.load reads it ({e})") from None
-        pickles = [(bytes(raw or b""), 0, "its data.pkl")]
-    else:  # legacy: the pickles lie at the start, one after another
-        data = bytes(blob)
-        pickles, at = [], 0
+    if b.head[:4] != b"PK\x03\x04":  # legacy: the pickles lie at the start, one after another
+        data, at = bytes(blob), 0
         for i in range(_LEGACY_PICKLES):
-            problem, end = scan_pickle(data, at)
-            pickles.append((data, at, f"its pickle #{i + 1} (legacy format)"))
+            problem, at = scan_pickle(data, at)
             if problem:
-                _refuse(b, problem, pickles[-1][2])
-            at = end
+                _refuse(b, problem, f"its pickle #{i + 1} (legacy format)")
         return
-    for data, at, what in pickles:
-        problem, _ = scan_pickle(data, at)
-        if problem:
-            _refuse(b, problem, what)
+    entries, order, data_end = _directory(b)
+    prefix = order[0].split("/", 1)[0] if order and "/" in order[0] else None
+    pkl = entries.get(f"{prefix}/data.pkl")
+    if pkl is None:
+        raise b.bad(f"no data.pkl entry (entries: {short_repr(order[:8], 200)})")
+    try:
+        _, raw = _data(b, pkl, data_end, limit=length)
+    except CannotNarrow as e:
+        raise b.bad(f"its data.pkl cannot be checked before torch.load reads it ({e})") from None
+    problem, _ = scan_pickle(raw or b"")
+    if problem:
+        _refuse(b, problem, "its data.pkl")
 
 
 def _refuse(b: _Blob, problem: str, what: str) -> None:
