@@ -138,6 +138,12 @@ def scan_pickle(data: bytes, start: int = 0, *, max_depth: int = MAX_DEPTH, budg
         if kind == _MEMOIZE and len(stack) > (marks[-1] if marks else 0):
             memo.append(stack[-1])
             continue
+        if kind == _EMPTY:
+            stack.append([1, 0, []])
+            continue
+        if kind == _MARK:
+            marks.append(len(stack))
+            continue
         try:
             if walk.step(kind, _TAKE[code], index):
                 return None, pos
@@ -148,13 +154,6 @@ def scan_pickle(data: bytes, start: int = 0, *, max_depth: int = MAX_DEPTH, budg
 
 class _Refused(Exception):
     pass
-
-
-def _longest(node: Any) -> int:
-    """What a call given the container ``node`` (its args) can hold: a copy of it or of one
-    of its items (torch.Size(list), OrderedDict(pairs), a record of its args); not their sum,
-    which would grow along a chain of calls without anything being copied."""
-    return max(node[1], max((item[1] for item in node[2]), default=0))
 
 
 class _Walk:
@@ -209,18 +208,26 @@ class _Walk:
                            "writes at most ~1000)")
         return [depth, length, items]
 
-    def _charge(self, length: int, items: Any) -> int:
-        """Charge a call or BUILD given ``length`` arguments ``items``: it may copy them and
-        the items of each. The work is bounded by the charge."""
-        self.left -= length
+    def _copies(self, node: Any) -> int:
+        """Charge a call or BUILD given the container ``node``: it may copy it and each of its
+        items. Returns what the result can hold: the longest of them (torch.Size(list),
+        OrderedDict(pairs), a record of its args), not their sum, which would grow along a
+        chain of calls without anything being copied. The work is bounded by the charge."""
+        longest = node[1]
+        self.left -= longest
         if self.left >= 0:
-            more = sum(node[1] for node in items)
-            self.left -= more
-            length += more
+            total = 0
+            for item in node[2]:
+                n = item[1]
+                if n:
+                    total += n
+                    if n > longest:
+                        longest = n
+            self.left -= total
         if self.left < 0:
             raise _Refused(f"calls that copy more than {self.budget} elements (shared containers passed "
                            "again and again: a memory bomb)")
-        return length
+        return longest
 
     def _fill(self, node: list, items: list, count: int) -> None:
         new = self._node(items, count)
@@ -256,14 +263,11 @@ class _Walk:
             stack.append(self._node(items, take))
         elif kind == _CALL:  # REDUCE, NEWOBJ(_EX): callable, args[, kwargs]; BINPERSID: pid
             items = self._take(take)
-            args = items[1:] if take > 1 else items
-            for a in args:
-                self._charge(a[1], a[2])
-            stack.append(self._node(items, max(_longest(a) for a in args)))
+            longest = max(self._copies(a) for a in (items[1:] if take > 1 else items))
+            stack.append(self._node(items, longest))
         elif kind == _CALL_MARK:  # OBJ, INST: a class called with the items above the mark
             items = self._to_mark()
-            self._charge(len(items), items)
-            stack.append(self._node(items, _longest([len(items), 0, items])))
+            stack.append(self._node(items, self._copies((0, len(items), items))))
         elif kind == _GLOBAL2:
             self._take(2)
             stack.append(_LEAF)
@@ -272,10 +276,10 @@ class _Walk:
             self._fill(self._top(), items, 1)
         elif kind == _BUILD:
             state = self._take(1)
-            self._charge(state[0][1], state[0][2])
+            longest = self._copies(state[0])
             node = self._top()
             self._fill(node, state, 0)
-            node[1] = max(node[1], _longest(state[0]))
+            node[1] = max(node[1], longest)
         elif kind == _FROM_MARK:
             items = self._to_mark()
             stack.append(self._node(items, len(items)))
