@@ -434,8 +434,9 @@ def _weights_only_reason(e: BaseException) -> str:
 
 
 def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseException) -> CheckpointError:
+    why = _weights_only_reason(e) if isinstance(e, pickle.UnpicklingError) else clean_text(str(e), 300)
     return MetadataError(f"cannot load the torch.save payload of {name!r} at (offset, length) {storage} "
-                         f"({type(e).__name__}: {clean_text(str(e), 300)}); the file is corrupt: re-copy or re-save it",
+                         f"({type(e).__name__}: {why}); the file is corrupt: re-copy or re-save it",
                          path=path, key=name)
 
 
