@@ -106,7 +106,7 @@ def ckpt(tmp_path):
     return tmp_path
 
 
-def run_child(code: str, timeout: float = 60) -> str:
+def run_child(code: str, timeout: float = 120) -> str:
     """Run ``code`` in a fresh interpreter; its stdout. Fails the test on a crash or a hang."""
     try:
         p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
@@ -157,13 +157,13 @@ def test_every_length_that_is_negative_or_past_the_end_is_refused_at_once(tmp_pa
             except MetadataError as e:
                 assert "length" in e.message, e.message
                 print("refused")
-    """, timeout=60)
+    """)
     assert out.split() == ["refused"] * len(cases)
 
 
 def test_a_negative_length_at_the_start_of_data_pkl_is_refused(ckpt):
     with_data_pkl(ckpt, "w", b"T\xfb\xff\xff\xff." + data_pkl())
-    out = run_child(READ_W.format(path=str(ckpt)), timeout=60)
+    out = run_child(READ_W.format(path=str(ckpt)))
     assert [line.split()[0] for line in out.splitlines()] == ["MetadataError"] * 2 and "length -5" in out
 
 
@@ -401,8 +401,7 @@ def test_a_value_weights_only_refuses_gives_clean_advice(tmp_path):
         r.read_value("obj")
     text = info.value.message
     assert "\x1b" not in text and "\n" not in text and "\t" not in text
-    assert "Unsupported global: GLOBAL test_reader_hostile_pickles.Opaque was not an allowed global by " \
-           "default." in text or "Opaque" in text
+    assert "(Unsupported global: GLOBAL " in text and "Opaque was not an allowed global by default.)" in text
     assert "allow_pickle=True" in text and "nothing was executed" in text
     assert "In PyTorch 2.6" not in text  # torch's own advice about torch.load is not ours
 
