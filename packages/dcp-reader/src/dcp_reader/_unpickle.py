@@ -7,8 +7,9 @@ torch is not imported. Any other name raises UnsafePickleError before anything i
 Bounds, checked before and while building (UnsafePickleError beyond them):
 - before: a walk over the opcodes (``_pickle_scan.scan_pickle``) refuses length prefixes that
   are negative or run past the end, memo indices out of order (one corrupted byte made a
-  13-byte pickle allocate ~1.8 GB) and nesting deeper than ``MAX_DEPTH`` (hashing a dict key
-  of 200,000 nested tuples overflowed the C stack).
+  13-byte pickle allocate ~1.8 GB), nesting deeper than ``MAX_DEPTH`` (hashing a dict key
+  of 200,000 nested tuples overflowed the C stack) and calls that would copy shared
+  containers beyond the budget below.
 - elements built: each opcode builds at most one object, so what the pickle's own bytes
   pay for is bounded by its size; every allowed callable copies its arguments (a ``*args``
   tuple is a new tuple per call) and the stand-ins that copy a container (``torch.Size``,
@@ -16,7 +17,8 @@ Bounds, checked before and while building (UnsafePickleError beyond them):
   copy is charged to a budget of ``base_elements + elements_per_byte * len(pickle)``. One
   20,000-element tuple passed to 5,000 calls otherwise built 100 million references (780 MiB)
   from a 45 KB pickle.
-- stand-ins that take no state (dtypes, storage types and references) refuse BUILD.
+- stand-ins that take no state (dtypes, storage types and references, the allowed
+  callables, whose attributes every later load would see) refuse BUILD.
 
 Subclass it to allow more names: extend ``allowed`` (a {(module, name): object} mapping)
 or override ``find_class`` and call ``self.refuse(module, name)`` for names not allowed.
