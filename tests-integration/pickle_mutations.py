@@ -3,7 +3,7 @@
 Where: torch DCP's ``.metadata`` (the restricted unpickler), the ``data.pkl`` of a
 ``.distcp`` tensor blob (narrowing, else torch.load), the ``data.pkl`` of a value blob
 (torch.load with weights_only) and a native ``values.pkl`` (pickle.loads, opted in with
-allow_pickle; its value checksum is recomputed so that the mutant reaches the unpickler).
+allow_pickle; its value checksums are recomputed so that the mutant reaches the unpickler).
 
 What, one per mutant, spliced at a random opcode boundary of the seed's pickle (its FRAME
 opcodes removed and its later memo indices renumbered, so that the rest still unpickles):
@@ -271,23 +271,28 @@ def mutate_torch_dcp_pickle(d: str, rng: random.Random, value: str) -> str:
 
 
 def mutate_values_pickle(d: str, rng: random.Random) -> str:
-    """A structure-aware mutation of a native checkpoint's values.pkl, its value checksums
-    recomputed (a hostile file that is consistent: what reaches the unpickler)."""
+    """A structure-aware mutation of the file holding a native checkpoint's pickled values
+    (named in its metadata), their value checksums recomputed (a hostile file that is
+    consistent: what reaches the unpickler)."""
     import xxhash
 
-    path = os.path.join(d, "values.pkl")
+    meta_path = os.path.join(d, "dcp-metadata.json")
+    with open(meta_path) as f:
+        doc = json.load(f)
+    by_file: dict[str, list[str]] = {}
+    for name, v in (doc.get("values") or {}).items():
+        if isinstance(v, dict) and v.get("file"):
+            by_file.setdefault(v["file"], []).append(name)
+    file = sorted(by_file)[0]
+    path = os.path.join(d, file)
     with open(path, "rb") as f:
         data, desc = mutate_pickle(f.read(), rng, "pickle")
     with open(path, "wb") as f:
         f.write(data)
-    meta_path = os.path.join(d, "dcp-metadata.json")
-    with open(meta_path) as f:
-        doc = json.load(f)
     sums = doc.get("value_checksums") or {}
-    pickled = {n for n, v in (doc.get("values") or {}).items() if isinstance(v, dict) and v.get("file")}
-    for name in sums:
-        if name in pickled:
+    for name in by_file[file]:
+        if name in sums:
             sums[name] = f"xxh3-64:{xxhash.xxh3_64_intdigest(data):016x}"
     with open(meta_path, "w") as f:
         json.dump(doc, f)
-    return f"values.pkl: {desc}"
+    return f"{file}: {desc}"

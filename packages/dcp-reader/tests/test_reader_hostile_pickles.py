@@ -205,7 +205,7 @@ def test_a_deeply_nested_native_values_pickle_is_refused(tmp_path):
     w = NativeWriter(tmp_path, allow_pickle=True)
     values = w.write_values({"obj": {1, 2}})  # a set: JSON cannot hold it, so it is pickled
     w.commit(CheckpointMetadata(tensors={}, values=values, format="native"))
-    (tmp_path / "values.pkl").write_bytes(deep_key())
+    (tmp_path / values["obj"].file).write_bytes(deep_key())
     out = run_child(f"""
         from dcp_reader import open_checkpoint, MetadataError
         try:
