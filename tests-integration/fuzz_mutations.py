@@ -5,7 +5,8 @@ benchmarks/fuzz_checkpoints.py).
 of one seed with one mutation drawn from ``random.Random(f"{s}:{i}")`` (reproducible alone).
 ``run_all`` loads every mutant with ``dcp_load.load(..., no_dist=True)`` into poisoned
 targets, in child processes forked from a forkserver with torch preloaded, a batch of
-mutants per child and a timeout per batch, and classifies each outcome:
+mutants per child, each mutant under a time limit (the child is killed past it) and an
+address-space limit, its peak RSS measured alone, and classifies each outcome:
 
 - ``same``: loaded, every tensor equal to what was saved.
 - ``typed``: CheckpointError or LoadError, targets untouched; ``typed-after-write``: the
@@ -17,8 +18,15 @@ mutants per child and a timeout per batch, and classifies each outcome:
   ``value-changed-unprotected`` for formats that carry no checksums.
 - failures: ``untyped`` (any other exception, or a LoadError whose causes name an error
   type outside dcp_reader's), ``touched`` (typed error but targets written outside
-  execute), ``hang`` (batch timeout), ``crash`` (child died), ``memory`` (peak RSS grew by
-  1 GiB or more, or MemoryError).
+  execute), ``hang`` (past the mutant's time limit), ``crash`` (child died, e.g. by a
+  signal), ``memory`` (the mutant's peak RSS grew beyond ``memory_bound`` of its files'
+  size, or MemoryError).
+
+Two formats mutate pickles by their structure (``pickle_mutations``): ``torch-dcp-pickle``
+(the torch DCP seed's ``.metadata``, a tensor blob's ``data.pkl``, a value blob's
+``data.pkl``) and ``native-values-pickle`` (``values.pkl``, value checksums recomputed, so
+that a changed value is counted as ``value-changed-unprotected``). They take 4 of every 10
+mutants (``CYCLE``).
 """
 
 from __future__ import annotations
@@ -39,10 +47,25 @@ import warnings
 from collections import Counter
 from typing import Any
 
-FORMATS = ("native", "native-pickle", "hf", "hf-index", "torch-dcp", "torch-dcp-hf")
+import pickle_mutations as pm
+
+FORMATS = ("native", "native-pickle", "hf", "hf-index", "torch-dcp", "torch-dcp-hf", "torch-dcp-pickle",
+           "native-values-pickle")
+CYCLE = FORMATS[:6] + ("torch-dcp-pickle",) * 3 + ("native-values-pickle",)  # mutant i: CYCLE[i % 10]
+SEED_OF = {"torch-dcp-pickle": "torch-dcp", "native-values-pickle": "native-pickle"}
+DCP_VALUE = "lr"  # the torch DCP seed's non-tensor value (a torch.save blob)
 FAILURES = ("untyped", "touched", "changed", "value-changed", "hang", "crash", "memory", "engine")
 NATIVE = ("native", "native-pickle")  # dcp's own format: block checksums and value checksums
 GiB = 1 << 30
+MiB = 1 << 20
+
+
+def memory_bound(size: int) -> int:
+    """Peak RSS a mutant of ``size`` bytes (all its files) may add: 256 MiB for torch.load
+    and the reader's caches, plus 64 bytes of Python objects per byte of file (a refusal
+    builds at most a few objects per opcode; a tuple nested 200,000 deep in a 200 KB file is
+    refused before it is built)."""
+    return 256 * MiB + 64 * size
 
 
 class Opaque:
@@ -71,7 +94,7 @@ def build_seeds(root: str) -> dict[str, str]:
     from safetensors.torch import save_file
 
     t = _tensors()
-    dirs = {f: os.path.join(root, f) for f in FORMATS}
+    dirs = {f: os.path.join(root, f) for f in FORMATS if f not in SEED_OF}
     save({**t, "step": 3, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}}, checkpoint_id=dirs["native"], no_dist=True)
     save({**t, "obj": Opaque(5)}, checkpoint_id=dirs["native-pickle"], no_dist=True, allow_pickle=True)
     os.makedirs(dirs["hf"])
@@ -85,23 +108,24 @@ def build_seeds(root: str) -> dict[str, str]:
         json.dump({"metadata": {"total_size": 0}, "weight_map": wm}, f)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns when saving without a process group
-        dcp.save({**t, "step": torch.tensor(3)}, checkpoint_id=dirs["torch-dcp"])
+        dcp.save({**t, "step": torch.tensor(3), DCP_VALUE: 0.5}, checkpoint_id=dirs["torch-dcp"])
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
         dcp.save(t, storage_writer=HuggingFaceStorageWriter(path=dirs["torch-dcp-hf"], save_distributed=True))
-    return dirs
+    return {**dirs, **{f: dirs[s] for f, s in SEED_OF.items()}}
 
 
 def expected(fmt: str) -> dict[str, Any]:
     import torch
 
+    fmt = SEED_OF.get(fmt, fmt)
     t = _tensors()
     if fmt == "native":
         return {**t, "step": 3, "cfg": {"lr": 0.1, "betas": (0.9, 0.99)}}
     if fmt == "native-pickle":
         return {**t, "obj": Opaque(5)}
     if fmt == "torch-dcp":
-        return {**t, "step": torch.tensor(3)}
+        return {**t, "step": torch.tensor(3), DCP_VALUE: 0.5}
     return t
 
 
@@ -257,6 +281,10 @@ def _replace_file(path: str, rng: random.Random, outside: str) -> str:
 def mutate(rng: random.Random, seed_dir: str, dst: str, fmt: str, outside: str) -> str:
     """Copy ``seed_dir`` to ``dst`` and apply one mutation; returns its description."""
     shutil.copytree(seed_dir, dst, symlinks=True)
+    if fmt == "torch-dcp-pickle":
+        return pm.mutate_torch_dcp_pickle(dst, rng, DCP_VALUE)
+    if fmt == "native-values-pickle":
+        return pm.mutate_values_pickle(dst, rng)
     files = _files(dst)
     name = rng.choice(files)
     path = os.path.join(dst, name)
@@ -331,7 +359,7 @@ def run_one(fmt: str, d: str) -> tuple[str, str]:
     targets = _poisoned(want)
     poison = _poisoned(want)
     try:
-        load(targets, checkpoint_id=d, no_dist=True, allow_pickle=fmt == "native-pickle")
+        load(targets, checkpoint_id=d, no_dist=True, allow_pickle=SEED_OF.get(fmt, fmt) == "native-pickle")
     except (CheckpointError, LoadError) as e:
         text = str(e)
         # the outermost error of each cause is the first type name in it ("MetadataError: x
@@ -360,6 +388,22 @@ def run_one(fmt: str, d: str) -> tuple[str, str]:
     return "same", ""
 
 
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(field + r":\s+(\d+)", f.read()).group(1))
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux clear_refs 5); its RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _kib("VmRSS") * 1024
+
+
+def _size(d: str) -> int:
+    return sum(os.lstat(os.path.join(d, f)).st_size for f in _files(d))
+
+
 def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, work: str) -> None:
     import torch
 
@@ -370,10 +414,9 @@ def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, 
     outside = os.path.join(work, "outside.bin")
     with open(outside, "wb") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{}" + b" " * 14)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for i in indices:
         rng = random.Random(f"{seed}:{i}")
-        fmt = FORMATS[i % len(FORMATS)]
+        fmt = CYCLE[i % len(CYCLE)]
         d = os.path.join(work, f"m{i}")
         conn.send(("start", i, fmt, "?"))
         try:
@@ -383,14 +426,15 @@ def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, 
             shutil.rmtree(d, ignore_errors=True)
             continue
         conn.send(("start", i, fmt, desc))
+        bound = memory_bound(_size(d))
+        base = _reset_peak()
         try:
             outcome, detail = run_one(fmt, d)
         except Exception as e:  # noqa: BLE001 - a bug in the engine's own checks: reported
             outcome, detail = "engine", f"checking the outcome failed: {type(e).__name__}: {e}"
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if peak - base >= GiB:
-            outcome, detail = "memory", f"peak RSS grew by {(peak - base) / GiB:.2f} GiB"
-            base = peak
+        grew = _kib("VmHWM") * 1024 - base
+        if grew > bound:
+            outcome, detail = "memory", f"peak RSS grew by {grew / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB); {detail}"
         conn.send(("done", i, outcome, detail))
         shutil.rmtree(d, ignore_errors=True)
     conn.send(("end",))
@@ -398,9 +442,11 @@ def _child(seed_dirs: dict[str, str], seed: int, indices: list[int], conn: Any, 
 
 def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 100,
             batch_timeout: float = 120.0, workers: int = 1, log: Any = None,
-            only: list[int] | None = None) -> dict[str, Any]:
-    """Run mutants 0..count-1 (or the indices ``only``); returns {"counts": Counter, "failures": [(i, fmt, desc, outcome,
-    detail)], "by_format": {fmt: Counter}, "seconds": float}."""
+            only: list[int] | None = None, mutant_timeout: float = 60.0) -> dict[str, Any]:
+    """Run mutants 0..count-1 (or the indices ``only``); a child is killed when one mutant
+    runs past ``mutant_timeout`` s (a hang) or its batch past ``batch_timeout`` s; returns
+    {"counts": Counter, "failures": [(i, fmt, desc, outcome, detail)], "by_format": {fmt: Counter},
+    "seconds": float}."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "dcp_load", "dcp_reader", "safetensors.torch", __name__])
     t0 = time.perf_counter()
@@ -408,7 +454,7 @@ def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 10
     counts: Counter[str] = Counter()
     by_format: dict[str, Counter[str]] = {f: Counter() for f in FORMATS}
     failures: list[tuple[Any, ...]] = []
-    running: list[tuple[Any, Any, list[int], float, dict[int, tuple[str, str]], str]] = []
+    running: list[tuple[Any, Any, list[int], float, dict[int, tuple[str, str, float]], str]] = []
 
     def record(i: int, fmt: str, desc: str, outcome: str, detail: str) -> None:
         if outcome in ("changed", "value-changed") and fmt not in NATIVE:
@@ -442,14 +488,16 @@ def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 10
                     break
                 if msg[0] == "start":
                     current.clear()
-                    current[msg[1]] = (msg[2], msg[3])
+                    current[msg[1]] = (msg[2], msg[3], time.monotonic())
                 elif msg[0] == "done":
-                    fmt, desc = current.pop(msg[1])
+                    fmt, desc, _ = current.pop(msg[1])
                     part.remove(msg[1])
                     record(msg[1], fmt, desc, msg[2], msg[3])
                 else:
                     finished = True
-            timed_out = time.monotonic() - started > batch_timeout
+            now = time.monotonic()
+            slow = any(now - t > mutant_timeout for _, _, t in current.values())
+            timed_out = slow or now - started > batch_timeout
             dead = not p.is_alive() and not conn.poll(0)
             if finished or timed_out or dead:
                 if p.is_alive():
@@ -457,12 +505,12 @@ def run_all(seed_dirs: dict[str, str], seed: int, count: int, *, batch: int = 10
                 p.join()
                 running.remove(entry)
                 shutil.rmtree(work, ignore_errors=True)
-                if current:  # the mutant in progress hung or crashed the child
-                    i, (fmt, desc) = next(iter(current.items()))
+                if current and (slow or not timed_out):  # the mutant in progress hung or crashed it
+                    i, (fmt, desc, t) = next(iter(current.items()))
                     part.remove(i)
                     record(i, fmt, desc, "hang" if timed_out else "crash",
-                           f"exit code {p.exitcode}" if not timed_out else f"over {batch_timeout} s")
-                pending = part + pending  # not started yet: rerun in a fresh child
+                           f"exit code {p.exitcode}" if not timed_out else f"over {now - t:.0f} s")
+                pending = part + pending  # not started (or cut by the batch's limit): rerun in a fresh child
         time.sleep(0.01)
     return {"counts": counts, "failures": failures, "by_format": by_format, "seconds": time.perf_counter() - t0}
 

@@ -189,3 +189,11 @@ def test_metadata_pickles_for_exchange_between_ranks():
     m = _meta(_t("w", (4,), [((0,), (2,)), ((2,), (2,))]), values=[ValueMeta("step", 1)])
     back = pickle.loads(pickle.dumps(m))
     assert back == m and back.tensors["w"].chunks[1].offsets == (2,)
+
+
+def test_a_value_entry_whose_value_key_was_renamed_is_an_error_not_none():
+    """Two flipped bytes renamed "value" and "value_checksums" (found by the fuzzer): the
+    entry read as the value None, silently. (With its checksum, read_value reports it.)"""
+    doc = {"schema_version": 1, "format": "native", "tensors": {}, "values": {"lr": {"val5e": 0.1}}}
+    with pytest.raises(MetadataError, match="'lr' has neither 'value' nor 'file'"):
+        CheckpointMetadata.from_json(json.dumps(doc))

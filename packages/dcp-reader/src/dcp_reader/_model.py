@@ -12,7 +12,7 @@ from typing import Any
 
 from ._coverage import coverage_problems
 from ._dtypes import is_dtype_name, itemsize
-from ._errors import CoverageError, MetadataError, UnknownDtypeError, summarise
+from ._errors import CoverageError, MetadataError, UnknownDtypeError, short_repr, summarise
 from ._json import load_json
 from ._values import decode_value, encode_value, is_storable_value
 
@@ -25,10 +25,10 @@ def _int_tuple(value: Any, what: str, *, key: str | None) -> tuple[int, ...]:
     try:
         out = tuple(value)
     except TypeError:
-        raise MetadataError(f"{what} must be a sequence of ints, got {value!r}", key=key) from None
+        raise MetadataError(f"{what} must be a sequence of ints, got {short_repr(value)}", key=key) from None
     for v in out:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise MetadataError(f"{what} must hold non-negative ints, got {value!r}", key=key)
+            raise MetadataError(f"{what} must hold non-negative ints, got {short_repr(value)}", key=key)
     return tuple(int(v) for v in out)
 
 
@@ -55,20 +55,20 @@ class ChunkMeta:
             raise MetadataError(f"chunk {self.key!r}: offsets {offsets} and sizes {sizes} differ in "
                                 "length", key=self.key)
         if not isinstance(self.file, str) or not self.file:
-            raise MetadataError(f"chunk {self.key!r}: file must be a non-empty str, got {self.file!r}",
+            raise MetadataError(f"chunk {self.key!r}: file must be a non-empty str, got {short_repr(self.file)}",
                                 key=self.key)
         if not isinstance(self.key, str):
-            raise MetadataError(f"chunk key must be a str, got {self.key!r}", key=None)
+            raise MetadataError(f"chunk key must be a str, got {short_repr(self.key)}", key=None)
         if self.checksum is not None and not isinstance(self.checksum, str):
             raise MetadataError(f"chunk {self.key!r}: checksum must be a str or None, got "
-                                f"{self.checksum!r}", key=self.key)
+                                f"{short_repr(self.checksum)}", key=self.key)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "sizes", sizes)
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ChunkMeta.storage", key=self.key)
             if len(storage) != 2:
                 raise MetadataError(f"chunk {self.key!r}: storage must be (offset, length), got "
-                                    f"{self.storage!r}", key=self.key)
+                                    f"{short_repr(self.storage)}", key=self.key)
             object.__setattr__(self, "storage", storage)
 
     @property
@@ -87,11 +87,11 @@ class TensorMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise MetadataError(f"tensor name must be a str, got {self.name!r}")
+            raise MetadataError(f"tensor name must be a str, got {short_repr(self.name)}")
         shape = _int_tuple(self.shape, f"shape of {self.name!r}", key=self.name)
         object.__setattr__(self, "shape", shape)
         if not is_dtype_name(self.dtype):
-            raise UnknownDtypeError(f"tensor {self.name!r} has unknown dtype {self.dtype!r}; use a "
+            raise UnknownDtypeError(f"tensor {self.name!r} has unknown dtype {short_repr(self.dtype)}; use a "
                                     "neutral name such as 'float32', 'bfloat16', 'float8_e4m3fn'",
                                     key=self.name)
         chunks = tuple(self.chunks)
@@ -134,7 +134,7 @@ class ValueMeta:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise MetadataError(f"value name must be a str, got {self.name!r}")
+            raise MetadataError(f"value name must be a str, got {short_repr(self.name)}")
         if self.file is None:
             if not is_storable_value(self.value):
                 raise MetadataError(f"value {self.name!r} of type {type(self.value).__name__} cannot be "
@@ -142,15 +142,15 @@ class ValueMeta:
                                     "dicts of them); store it pickled (allow_pickle=True) or convert it",
                                     key=self.name)
         elif not isinstance(self.file, str) or not self.file:
-            raise MetadataError(f"value {self.name!r}: file must be a non-empty str, got {self.file!r}",
+            raise MetadataError(f"value {self.name!r}: file must be a non-empty str, got {short_repr(self.file)}",
                                 key=self.name)
         elif self.value is not None:
             raise MetadataError(f"value {self.name!r} has both an inline value and a file", key=self.name)
         elif self.key is not None and not isinstance(self.key, str):
-            raise MetadataError(f"value {self.name!r}: key must be a str or None, got {self.key!r:.80}",
+            raise MetadataError(f"value {self.name!r}: key must be a str or None, got {short_repr(self.key)}",
                                 key=self.name)
         if self.checksum is not None and not isinstance(self.checksum, str):
-            raise MetadataError(f"value {self.name!r}: checksum must be a str or None, got {self.checksum!r:.80}",
+            raise MetadataError(f"value {self.name!r}: checksum must be a str or None, got {short_repr(self.checksum)}",
                                 key=self.name)
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
@@ -186,7 +186,7 @@ class CheckpointMetadata:
             for name, meta in mapping.items():
                 if not isinstance(meta, cls) or meta.name != name:
                     raise MetadataError(f"{what}[{name!r}] must be a {cls.__name__} named {name!r}, got "
-                                        f"{meta!r:.200}", key=name)
+                                        f"{short_repr(meta, 200)}", key=name)
         both = sorted(set(self.tensors) & set(self.values))
         if both:
             raise MetadataError(f"names used for both a tensor and a value: {summarise(both)}", key=both[0])
@@ -260,10 +260,17 @@ class CheckpointMetadata:
                 tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
             values = {}
             for name, v in _obj(doc, "values").items():
+                if "value" not in v and "file" not in v and name not in value_sums:
+                    # a renamed key would read as the value None, with no checksum to catch it
+                    raise MetadataError(f"value {name!r} has neither 'value' nor 'file' (keys "
+                                        f"{short_repr(sorted(v))}); the metadata file is corrupt: re-copy or "
+                                        "re-save the checkpoint", key=name)
                 values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
                                          key=v.get("key"), storage=v.get("storage"), checksum=value_sums.get(name))
         except RecursionError:
             raise MetadataError("a value in the metadata is nested too deeply; the file is corrupt") from None
+        except MetadataError:
+            raise
         except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
             raise MetadataError(f"malformed metadata entry ({type(e).__name__}: {e}); the file is "
                                 "corrupt or from an incompatible writer") from None

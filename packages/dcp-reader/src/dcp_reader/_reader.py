@@ -19,6 +19,7 @@ from ._errors import (
     MissingKeyError,
     TruncatedFileError,
     UnsafePickleError,
+    clean_text,
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._hash_worker import HashWorker
@@ -324,7 +325,7 @@ class CheckpointReader:
             self._bytes_read += chunk.storage[1]
             self._layouts.counts["whole"] += 1
             blob = self._blob = (chunk.file, chunk.storage, tensor)
-        out = blob[2][sl]
+        out = blob[2][sl].clone()  # memory of its own: the blob stays cached for the next read
         if framework != "torch":
             out = torch_to_numpy(out, dtype)
             if framework == "mindspore":
@@ -394,9 +395,11 @@ class CheckpointReader:
             return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True)
         except pickle.UnpicklingError as e:
             if not self.allow_pickle:
-                raise UnsafePickleError(f"value {name!r} holds objects torch.load(weights_only=True) refuses "
-                                        f"({str(e)[:300]}); pass allow_pickle=True only if you trust the "
-                                        "checkpoint", path=f.path, key=name) from None
+                raise UnsafePickleError(f"value {name!r} holds objects that torch.load(weights_only=True) "
+                                        f"refuses ({_weights_only_reason(e)}); nothing was executed. If you "
+                                        "trust this checkpoint, pass allow_pickle=True: the value is then "
+                                        "unpickled with torch.load(weights_only=False), which can run code "
+                                        "from the file", path=f.path, key=name) from None
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
@@ -448,9 +451,18 @@ def _raw_bytes(out: Any, sizes: tuple[int, ...], itemsize: int) -> Any:
     return out.reshape(-1).view("uint8")
 
 
+def _weights_only_reason(e: BaseException) -> str:
+    """The one sentence of torch.load's weights_only refusal that says what it refused
+    (torch's text is ~900 characters of advice about torch.load, with terminal escapes)."""
+    text = str(e)
+    _, found, reason = text.partition("WeightsUnpickler error:")
+    return clean_text(reason if found else text, 160)
+
+
 def _corrupt_blob(path: str, name: str, storage: tuple[int, int], e: BaseException) -> CheckpointError:
+    why = _weights_only_reason(e) if isinstance(e, pickle.UnpicklingError) else clean_text(str(e), 300)
     return MetadataError(f"cannot load the torch.save payload of {name!r} at (offset, length) {storage} "
-                         f"({type(e).__name__}: {str(e)[:300]}); the file is corrupt: re-copy or re-save it",
+                         f"({type(e).__name__}: {why}); the file is corrupt: re-copy or re-save it",
                          path=path, key=name)
 
 

@@ -22,12 +22,14 @@ from .._errors import (
     MissingMetadataError,
     TruncatedFileError,
     UnknownDtypeError,
+    short_repr,
     summarise,
 )
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ..storage._files import file_size
 from ..storage._paths import METADATA_LIMIT, check_files, read_regular
 from ..storage._pread import pread_into
+from ._torch_save_zip import check_blob_pickles
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
 
 # Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.
@@ -44,7 +46,7 @@ def _neutral(dtype: Any, path: str, fqn: str) -> str:
                "short": "int16", "cfloat": "complex64"}
     name = aliases.get(name, name) if name else None
     if name not in DTYPE_NAMES:
-        raise UnknownDtypeError(f"tensor {fqn!r} has dtype {dtype!r}, which dcp-reader cannot represent; "
+        raise UnknownDtypeError(f"tensor {fqn!r} has dtype {short_repr(dtype)}, which dcp-reader cannot represent; "
                                 "convert it when saving", path=path, key=fqn)
     return name
 
@@ -88,14 +90,17 @@ def _entries(md: Any, path: str) -> tuple[dict[str, TensorMeta], dict[str, Value
     def loc(fqn: str, offsets: tuple[int, ...] | None) -> tuple[str, tuple[int, int]]:
         info = where.get((fqn, offsets))
         if info is None:
-            raise MetadataError(f"no storage entry for {fqn!r} at offsets {offsets}", path=path, key=fqn)
+            raise MetadataError(f"no storage entry for {fqn!r} at offsets {short_repr(offsets)}", path=path,
+                                key=fqn)
         td = info.get("transform_descriptors", 3)
         if td:
-            raise MetadataError(f"{fqn!r} is stored with transforms {td!r:.100} (e.g. compression), which "
+            raise MetadataError(f"{fqn!r} is stored with transforms {short_repr(td, 100)} (e.g. compression), which "
                                 "dcp-reader does not support; re-save without them", path=path, key=fqn)
         return info.get("relative_path", 0), (info.get("offset", 1), info.get("length", 2))
 
     for fqn, m in (md.get("state_dict_metadata", 0) or {}).items():
+        if not isinstance(fqn, str):  # before it is formatted into any message
+            raise MetadataError(f"state_dict_metadata has a key {short_repr(fqn)}, not a str", path=path)
         try:
             q = getattr(m, "qualname", "")
             if q.endswith(".BytesStorageMetadata"):
@@ -175,11 +180,13 @@ def load_torch_dcp(root_real: str) -> CheckpointMetadata:
 
 
 def load_blob(fd: int, storage: tuple[int, int], *, path: str, key: str, weights_only: bool = True) -> Any:
-    """torch.load of the torch.save blob at ``storage`` in the open file ``fd``; a short
-    read is TruncatedFileError, anything torch.load raises is left to the caller."""
+    """torch.load of the torch.save blob at ``storage`` in the open file ``fd``, its pickles
+    checked first (``check_blob_pickles``: UnsafePickleError, MetadataError); a short read
+    is TruncatedFileError, anything torch.load raises is left to the caller."""
     import torch
 
     offset, length = storage
     buf = bytearray(length)
     pread_into(fd, buf, offset, path=path, key=key)
+    check_blob_pickles(fd, offset, length, buf, path=path, key=key)
     return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=weights_only)

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._dtypes import DTYPE_NAMES, itemsize
-from .._errors import CheckpointError, MetadataError
+from .._errors import CheckpointError, MetadataError, UnsafePickleError, short_repr
 from ..storage._pread import pread_into
-from ._unpickle import _TORCH_DTYPES, _Dtype, _RestrictedUnpickler, counted
+from ._pickle_scan import scan_pickle
+from ._unpickle import _TORCH_DTYPES, Inert, _Dtype, _RestrictedUnpickler, charged, counted, is_bomb
 
 # First and last bytes of a blob read to find its index. torch.save's data.pkl and the
 # storage entry's local header end at byte ~770 of a one-tensor blob and its central
@@ -240,7 +241,10 @@ def _data(b: _Blob, e: _Entry, data_end: int, limit: int | None = None) -> tuple
 
 
 # -- data.pkl ------------------------------------------------------------------------------
-class _StorageType:
+# The stand-ins below are Inert: BUILD on one (a {"numel": None} state on the storage
+# reference, a slot state on a storage type) is refused while unpickling, not found later
+# as a bare TypeError.
+class _StorageType(Inert):
     __slots__ = ("dtype",)
 
     def __init__(self, dtype: str | None):
@@ -248,13 +252,13 @@ class _StorageType:
 
 
 @dataclass(frozen=True)
-class _StorageRef:
+class _StorageRef(Inert):
     dtype: str | None
     key: str
     numel: int
 
 
-class _Rebuilt:
+class _Rebuilt(Inert):
     __slots__ = ("args", "version")
 
     def __init__(self, version: int, args: tuple[Any, ...]):
@@ -274,8 +278,8 @@ class _DataPickle(_RestrictedUnpickler):
     storage's persistent id become inert records. Any other name: CannotNarrow (torch.load
     with weights_only=True then decides)."""
 
-    allowed = {("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-               ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    allowed = {("torch._utils", "_rebuild_tensor_v2"): charged(_rebuild_v2),
+               ("torch._utils", "_rebuild_tensor_v3"): charged(_rebuild_v3),
                ("collections", "OrderedDict"): counted(dict)}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -287,13 +291,13 @@ class _DataPickle(_RestrictedUnpickler):
             return _StorageType(None)
         if module == "torch" and name in _TORCH_DTYPES:
             return _Dtype(name)
-        raise CannotNarrow(f"data.pkl refers to {module}.{name}")
+        raise CannotNarrow(f"data.pkl refers to {module[:200]}.{name[:200]}")
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
                 and type(pid[4]) is int and pid[4] >= 0):
-            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.100}")
+            raise pickle.UnpicklingError(f"unexpected persistent id {short_repr(pid, 100)}")
         return _StorageRef(pid[1].dtype, pid[2], pid[4])
 
 
@@ -314,13 +318,14 @@ def _rebuild_args(b: _Blob, obj: Any) -> tuple[_StorageRef, str, int, tuple[int,
     storage, offset, size, stride = args[:4]
     extra = args[n] if len(args) > n else None
     if extra:
-        raise CannotNarrow(f"the tensor carries metadata {extra!r:.80}")
+        raise CannotNarrow(f"the tensor carries metadata {short_repr(extra)}")
     if not isinstance(storage, _StorageRef):
         raise b.bad("the tensor's storage is not a persistent storage reference")
     ints = (type(offset) is int and offset >= 0 and isinstance(size, tuple) and isinstance(stride, tuple)
             and len(size) == len(stride) and all(type(v) is int and v >= 0 for v in size + stride))
     if not ints:
-        raise b.bad(f"storage offset {offset!r:.40}, size {size!r:.80}, stride {stride!r:.80} are not "
+        raise b.bad(f"storage offset {short_repr(offset, 40)}, size {short_repr(size)}, stride "
+                    f"{short_repr(stride)} are not "
                     "non-negative integers of one rank")
     if obj.version == 3:
         if not isinstance(args[6], _Dtype) or storage.dtype is not None:
@@ -383,3 +388,45 @@ def parse_blob(fd: int, offset: int, length: int, *, path: str, key: str) -> tup
                         f"{soff} reaches byte {(last + 1) * width} of its {nbytes}-byte storage")
     start, _ = _data(b, entry, data_end)
     return BlobTensor(dtype, size, stride, start + soff * width), b.spent
+
+
+# torch's legacy format is five pickles back to back (magic number, protocol, system info,
+# the object, the storage keys), then the storages' raw bytes
+_LEGACY_PICKLES = 5
+
+
+def check_blob_pickles(fd: int, offset: int, length: int, blob: bytes | bytearray, *, path: str, key: str) -> None:
+    """Refuse the torch.save blob ``blob`` (read from (``offset``, ``length``) of ``fd``) when a
+    pickle torch.load would unpickle from it fails ``scan_pickle``: torch.load, with
+    weights_only or not, hashes and copies what the pickle builds in C, where a dict key of
+    200,000 nested tuples overflowed the stack (SIGSEGV). UnsafePickleError for a bomb,
+    MetadataError for anything else that cannot be checked."""
+    b = _Blob(fd, offset, length, path, key)
+    if b.head[:4] != b"PK\x03\x04":  # legacy: the pickles lie at the start, one after another
+        data, at = bytes(blob), 0
+        for i in range(_LEGACY_PICKLES):
+            problem, at = scan_pickle(data, at)
+            if problem:
+                _refuse(b, problem, f"its pickle #{i + 1} (legacy format)")
+        return
+    entries, order, data_end = _directory(b)
+    prefix = order[0].split("/", 1)[0] if order and "/" in order[0] else None
+    pkl = entries.get(f"{prefix}/data.pkl")
+    if pkl is None:
+        raise b.bad(f"no data.pkl entry (entries: {short_repr(order[:8], 200)})")
+    try:
+        _, raw = _data(b, pkl, data_end, limit=length)
+    except CannotNarrow as e:
+        raise b.bad(f"its data.pkl cannot be checked before torch.load reads it ({e})") from None
+    problem, _ = scan_pickle(raw or b"")
+    if problem:
+        _refuse(b, problem, "its data.pkl")
+
+
+def _refuse(b: _Blob, problem: str, what: str) -> None:
+    if is_bomb(problem):
+        raise UnsafePickleError(f"{what} in the torch.save payload of {b.key!r} at (offset, length) "
+                                f"({b.offset}, {b.length}): {problem}; refusing it before torch.load builds "
+                                "anything. The file is corrupt or hostile: re-save the checkpoint",
+                                path=b.path, key=b.key)
+    raise b.bad(f"{what} cannot be unpickled ({problem})")

@@ -5,20 +5,26 @@ of its arguments): no torch class, function or constructor from the checkpoint r
 torch is not imported. Any other name raises UnsafePickleError before anything is built.
 
 Bounds, checked before and while building (UnsafePickleError beyond them):
-- memo indices: a walk over the opcodes (``memo_problem``) refuses a PUT or GET
-  index beyond the entries stored so far. pickle numbers them 0, 1, 2, ...; the C
-  unpickler grows its memo table to the index given, so one corrupted byte made
-  ``b"\\x80\\x04}r\\x00\\x00\\x00\\x08."`` (13 bytes) allocate ~1.8 GB.
+- before: a walk over the opcodes (``_pickle_scan.scan_pickle``) refuses length prefixes that
+  are negative or run past the end, memo indices out of order (one corrupted byte made a
+  13-byte pickle allocate ~1.8 GB), nesting deeper than ``MAX_DEPTH`` (hashing a dict key
+  of 200,000 nested tuples overflowed the C stack) and calls that would copy shared
+  containers beyond the budget below.
 - elements built: each opcode builds at most one object, so what the pickle's own bytes
-  pay for is bounded by its size; the stand-ins that copy a container (``torch.Size``,
-  ``OrderedDict``, ``set``, keyword arguments, ``(dict, slots)`` state) charge its length
-  to a budget of ``base_elements + elements_per_byte * len(pickle)``. Reusing one shared
-  list in 50,000 ``torch.Size`` calls otherwise builds 50 million references from a few
-  hundred kilobytes.
+  pay for is bounded by its size; every allowed callable copies its arguments (a ``*args``
+  tuple is a new tuple per call) and the stand-ins that copy a container (``torch.Size``,
+  ``OrderedDict``, ``set``, keyword arguments, ``(dict, slots)`` state) copy that too: each
+  copy is charged to a budget of ``base_elements + elements_per_byte * len(pickle)``. One
+  20,000-element tuple passed to 5,000 calls otherwise built 100 million references (780 MiB)
+  from a 45 KB pickle.
+- stand-ins that take no state (dtypes, storage types and references, the allowed
+  callables, whose attributes every later load would see) refuse BUILD.
 
 Subclass it to allow more names: extend ``allowed`` (a {(module, name): object} mapping)
 or override ``find_class`` and call ``self.refuse(module, name)`` for names not allowed.
-Wrap an allowed callable that copies its first argument with ``counted``.
+Wrap every allowed callable with ``charged``, or with ``counted`` when it also copies its
+first argument; a stand-in class derives from ``_Record`` (which charges its arguments) or
+from ``Inert`` (which refuses BUILD).
 """
 
 from __future__ import annotations
@@ -26,12 +32,12 @@ from __future__ import annotations
 import contextvars
 import io
 import pickle
-import pickletools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from .._dtypes import DTYPE_NAMES
-from .._errors import MetadataError, UnsafePickleError
+from .._errors import MetadataError, UnsafePickleError, short_repr
+from ._pickle_scan import MAX_DEPTH, scan_pickle
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -62,20 +68,50 @@ def charge(n: int) -> None:
         budget.charge(n)
 
 
-def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` charging the length of its first argument and its keyword count (it copies them)."""
-    def call(*args: Any, **kwargs: Any) -> Any:
+class Inert:
+    """Base of stand-ins that hold no pickled state: BUILD on one is refused (it would set
+    their fields to anything after they were checked, or the attributes of a function
+    shared by every later load)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(f"BUILD (set state) on a {type(self).__name__.lstrip('_')} "
+                                     f"stand-in, which takes none: state {short_repr(state, 60)}")
+
+
+class _Charged(Inert):
+    """An allowed callable that charges what a call copies: its argument and keyword counts
+    (a call packs them into a new tuple and dict) and, with ``first``, the length of its
+    first argument (``fn`` copies it). An object, not a function: BUILD on it is refused."""
+
+    __slots__ = ("fn", "first")
+
+    def __init__(self, fn: Callable[..., Any], first: bool):
+        self.fn, self.first = fn, first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         n = len(kwargs) + len(args)
-        if args:
+        if self.first and args:
             try:
                 n += len(args[0])
             except TypeError:
                 pass  # not a container: nothing copied
         charge(n)
-        return fn(*args, **kwargs)
+        return self.fn(*args, **kwargs)
 
-    call.__name__ = getattr(fn, "__name__", "counted")
-    return call
+    def __repr__(self) -> str:
+        return f"<allowed {getattr(self.fn, '__name__', '?')}>"
+
+
+def charged(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as an allowed callable charging its argument and keyword counts."""
+    return _Charged(fn, first=False)
+
+
+def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` charging its arguments and the length of its first one (it copies them)."""
+    return _Charged(fn, first=True)
 
 
 class _Record:
@@ -87,7 +123,7 @@ class _Record:
 
     # pickle's NEWOBJ calls __new__ without __init__: record the arguments here
     def __new__(cls, *args: Any, **kwargs: Any) -> _Record:
-        charge(len(kwargs))
+        charge(len(args) + len(kwargs))  # both are copies made for this call
         obj = super().__new__(cls)
         obj.args = args
         obj.state = dict(kwargs)
@@ -115,8 +151,8 @@ def _record_class(qualname: str) -> type[_Record]:
     return type(qualname.rsplit(".", 1)[-1], (_Record,), {"qualname": qualname})
 
 
-class _Dtype:
-    __slots__ = ("name",)  # no __dict__: a pickled BUILD cannot copy state into it
+class _Dtype(Inert):
+    __slots__ = ("name",)  # no __dict__, and Inert refuses BUILD
 
     def __init__(self, name: str):
         self.name = name
@@ -149,15 +185,15 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 _ALLOWED.update({
     ("torch", "Size"): counted(_size),
-    ("torch.serialization", "_get_layout"): _opaque,
-    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): _opaque,
-    ("pathlib", "PosixPath"): _opaque,
-    ("pathlib", "WindowsPath"): _opaque,
-    ("pathlib", "PurePosixPath"): _opaque,
+    ("torch.serialization", "_get_layout"): charged(_opaque),
+    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): charged(_opaque),
+    ("pathlib", "PosixPath"): charged(_opaque),
+    ("pathlib", "WindowsPath"): charged(_opaque),
+    ("pathlib", "PurePosixPath"): charged(_opaque),
     ("collections", "OrderedDict"): counted(dict),
     ("builtins", "set"): counted(set),
-    ("copyreg", "_reconstructor"): _reconstructor,
-    ("builtins", "object"): object,
+    ("copyreg", "_reconstructor"): charged(_reconstructor),
+    ("builtins", "object"): object,  # a C type: a call takes the unpickler's tuple, no copy
 })
 for _n in ("strided", "sparse_coo", "contiguous_format", "channels_last", "preserve_format"):
     _ALLOWED[("torch", _n)] = _n
@@ -169,67 +205,16 @@ _TORCH_DTYPES = DTYPE_NAMES | {
     "bits2x4", "bits4x2", "bits8", "bits16", "half", "float", "double", "cfloat", "cdouble", "long",
     "int", "short", "chalf"}
 
-# How each opcode's argument is laid out, from pickletools' table: a fixed byte count (>= 0),
-# or one of pickletools' codes: -1 up to a newline, -2/-3/-4/-5 a length prefix of 1/4/4/8
-# bytes. A walk that only skips arguments was 2.6x faster than pickletools.genops, which
-# decodes every one (a 9.5 MB torch DCP metadata of 64,000 chunks, on a 2-core machine at
-# load average 16: 5.2 s against 13.5 s, while unpickling it took 19 s).
-_ARG: dict[int, int] = {}
-_LINES: dict[int, int] = {}
-for _op in pickletools.opcodes:
-    _code = ord(_op.code.encode("latin-1"))
-    _ARG[_code] = _op.arg.n if _op.arg is not None else 0
-    _LINES[_code] = 2 if _op.name in ("GLOBAL", "INST") else 1
-_PUT_1 = {ord("q"): 1, ord("r"): 4}  # BINPUT, LONG_BINPUT: little-endian index
-_GET_1 = {ord("h"): 1, ord("j"): 4}  # BINGET, LONG_BINGET
-_PUT_TEXT, _GET_TEXT, _MEMOIZE, _STOP = ord("p"), ord("g"), ord("\x94"), ord(".")
-
-
 def memo_problem(data: bytes) -> str | None:
-    """Why ``data``'s memo indices could make an unpickler allocate by them (an index past the
-    entries stored so far; pickle numbers them 0, 1, 2, ...), or a malformed opcode; None
-    when fine. Walks the opcodes without building anything."""
-    stored = pos = 0
-    end = len(data)
-    while pos < end:
-        code = data[pos]
-        n = _ARG.get(code)
-        if n is None:
-            return f"unknown pickle opcode {code:#x} at byte {pos}"
-        at, pos = pos, pos + 1
-        if code == _STOP:
-            return None
-        if n >= 0:
-            index = None
-            if code in _PUT_1 or code in _GET_1:
-                index = int.from_bytes(data[pos:pos + n], "little")
-            pos += n
-        elif n == -1:
-            index = None
-            for _ in range(_LINES[code]):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    return f"unterminated argument of opcode {code:#x} at byte {at}"
-                if code in (_PUT_TEXT, _GET_TEXT):
-                    try:
-                        index = int(data[pos:nl])
-                    except ValueError:
-                        return f"bad memo index {data[pos:nl][:20]!r} at byte {at}"
-                pos = nl + 1
-        else:
-            width = {-2: 1, -3: 4, -4: 4, -5: 8}[n]
-            length = int.from_bytes(data[pos:pos + width], "little", signed=n == -3)
-            pos += width + length
-            index = None
-        if code == _MEMOIZE:
-            stored += 1
-        elif index is not None:
-            put = code in _PUT_1 or code == _PUT_TEXT
-            if index > stored or (not put and index == stored) or index < 0:
-                return (f"memo index {index} at byte {at} but only {stored} entries were stored before it "
-                        "(pickle numbers them in order)")
-            stored += put and index == stored
-    return f"no STOP opcode before the end ({end} bytes): the pickle is truncated"
+    """Why ``data`` must not be unpickled (``scan_pickle``: lengths, memo indices, nesting,
+    malformed opcodes); None when fine. Builds nothing."""
+    return scan_pickle(data)[0]
+
+
+def is_bomb(problem: str) -> bool:
+    """A scan problem that makes an unpickler allocate or recurse without bound (refused as
+    UnsafePickleError), rather than plain corruption (MetadataError)."""
+    return problem.startswith(("memo index", "nesting", "calls that copy"))
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -239,6 +224,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     allowed: ClassVar[Mapping[tuple[str, str], Any]] = _ALLOWED
     base_elements: ClassVar[int] = 65536
     elements_per_byte: ClassVar[int] = 2
+    max_depth: ClassVar[int] = MAX_DEPTH
 
     def __init__(self, f: Any, path: str):
         self._data = f.read()
@@ -254,9 +240,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
             _BUDGET.reset(token)
 
     def _prescan(self) -> None:
-        """Refuse out-of-order memo indices before the C unpickler sizes its table by them."""
-        problem = memo_problem(self._data)
-        if problem and problem.startswith("memo index"):
+        """Refuse what ``scan_pickle`` finds before the C unpickler reads a byte."""
+        problem, _ = scan_pickle(self._data, max_depth=self.max_depth)
+        if problem and is_bomb(problem):
             raise UnsafePickleError(f"{problem}; the file is corrupt. Refusing it before building anything",
                                     path=self._path)
         if problem:
@@ -264,6 +250,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
                                 "truncated", path=self._path)
 
     def refuse(self, module: str, name: str) -> UnsafePickleError:
+        module, name = module[:200], name[:200]
         return UnsafePickleError(
             f"the pickled metadata refers to {module}.{name}, which is not a torch.distributed.checkpoint "
             "metadata class; refusing to load it (nothing was executed). If you trust this checkpoint, "
@@ -277,5 +264,5 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise self.refuse(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"persistent id {pid!r:.80} in the metadata pickle; refusing it",
+        raise UnsafePickleError(f"persistent id {short_repr(pid)} in the metadata pickle; refusing it",
                                 path=self._path)
