@@ -391,3 +391,14 @@ def test_strict_false_a_tied_key_whose_source_is_missing_is_filled_through_its_a
                            sources={"tok": "model.missing", "out": "model.embed_tokens.weight"})
     assert torch.equal(t, emb)
     assert report.missing == () and report.tied == (("tok", "out"),) and dict(report.composed) == {"out": 1}
+
+
+def test_a_float32_part_after_a_bfloat16_one_keeps_its_precision(tmp_path):
+    """A composed tensor takes its first part's dtype; a later part of a wider dtype read
+    into a float32 destination must not be staged (rounded) through the first one's."""
+    first = torch.randn(1, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    second = torch.randn(4, generator=torch.Generator().manual_seed(1))
+    save_file({"t0": first, "t1": second}, str(tmp_path / "model.safetensors"))
+    state = {"w": torch.full((5,), float("nan"))}
+    dcp_load.load(state, checkpoint_id=str(tmp_path), sources={"w": Concat(["t0", "t1"])}, no_dist=True)
+    assert torch.equal(state["w"], torch.cat([first.float(), second]))

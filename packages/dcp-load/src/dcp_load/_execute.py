@@ -77,7 +77,8 @@ class _ReadAhead(threading.Thread):
                     dest = self.staged.get(position)
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
-                    _read_piece(self.reader, item, chunk, target, dest, tensors[item.name].dtype, self.scratch)
+                    saved = _saved_dtype(self.reader, item.name, chunk, tensors)
+                    _read_piece(self.reader, item, chunk, target, dest, saved, self.scratch)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -166,6 +167,12 @@ class _StopAll:
     def set(self) -> None:
         for t in self.threads:
             t.stop.set()
+
+
+def _saved_dtype(reader: Any, name: str, chunk: Any, tensors: Mapping[str, Any]) -> str:
+    """The dtype of ``chunk``'s saved bytes: its tensor's, or a composed part's own."""
+    of = getattr(reader, "chunk_dtype", None)
+    return of(name, chunk) if of is not None else tensors[name].dtype
 
 
 def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str,

@@ -101,6 +101,13 @@ class SourcedReader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def chunk_dtype(self, name: str, chunk: Any) -> str:
+        """The dtype ``chunk``'s bytes are saved in: a part of a composed tensor keeps its own
+        (the composed tensor takes its first part's), so staging must not round through it."""
+        if isinstance(chunk, VirtualChunk):
+            return self.inner.metadata.tensors[chunk.source].dtype
+        return self.metadata.tensors[name].dtype
+
     def check_chunk(self, name: str, chunk: Any) -> None:
         if isinstance(chunk, VirtualChunk):
             return self.inner.check_chunk(chunk.source, chunk.real)
