@@ -32,10 +32,10 @@ def copies(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     except (OSError, RuntimeError):
         pytest.skip("/proc/self/io read_bytes is not available here: storage reads cannot be counted")
     root = tmp_path_factory.mktemp("read_once_torch_dcp")
-    first = str(root / "node0")
+    first = str(root / "node0" / "ckpt")  # each node's copy under one name, as ranks compare it
     run_ranks(saver.save_fsdp, 4, first, timeout=300, pg_timeout=240)
     assert sorted(f for f in os.listdir(first) if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    second = str(root / "node1")
+    second = str(root / "node1" / "ckpt")
     shutil.copytree(first, second)
     return [first, second]
 

@@ -23,9 +23,10 @@ import integ_sources_cases as cases  # noqa: E402
 
 
 def _copies(root: Path, name: str, tensors: dict) -> list[str]:
-    first = str(root / name / "node0")
+    # Each node's copy under the same directory name: ranks compare the checkpoint's name
+    first = str(root / "node0" / name)
     cases.write_hf(first, tensors)
-    second = str(root / name / "node1")
+    second = str(root / "node1" / name)
     shutil.copytree(first, second)
     return [first, second]
 
