@@ -23,6 +23,7 @@ import sys
 import textwrap
 import warnings
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ from dcp_reader.formats._torch_save_zip import _DataPickle
 from dcp_reader.formats._unpickle import _ALLOWED, _Charged, _Record
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+# The fuzzer's table of nesting opcodes (tests-integration/pickle_mutations.py), one source
+# for both: standard library only.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests-integration"))
+from pickle_mutations import NESTS  # noqa: E402
 
 DEEP = 200_000
 
@@ -216,17 +222,6 @@ def test_a_deeply_nested_native_values_pickle_is_refused(tmp_path):
     assert "nesting" in out
 
 
-_RECORD = b"torch.distributed.checkpoint.metadata\nStorageMeta\n"
-NESTS = {  # an opcode nesting its argument: prefix * depth + inner + suffix * depth
-    "TUPLE1": (b"", b"N", b"\x85"), "TUPLE2": (b"", b"N", b"N\x86"), "TUPLE3": (b"", b"N", b"NN\x87"),
-    "TUPLE": (b"(", b"N", b"t"), "LIST": (b"(", b"N", b"l"), "DICT": (b"(K\x01", b"}", b"d"),
-    "FROZENSET": (b"(", b"", b"\x91"), "APPEND": (b"]", b"N", b"a"), "APPENDS": (b"](", b"N", b"e"),
-    "SETITEM": (b"}K\x01", b"N", b"s"), "SETITEMS": (b"}(K\x01", b"N", b"u"), "ADDITEMS": (b"\x8f(", b"N", b"\x90"),
-    "REDUCE": (b"ctorch\nSize\n(", b"]", b"tR"), "NEWOBJ": (b"c" + _RECORD + b"(", b"N", b"t\x81"),
-    "NEWOBJ_EX": (b"c" + _RECORD + b"(", b"N", b"t}\x92"), "OBJ": (b"(c" + _RECORD, b"N", b"o"),
-    "INST": (b"(", b"N", b"i" + _RECORD), "BUILD": (b"c" + _RECORD + b")\x81", b"}", b"b"),
-    "BINPERSID": (b"", b"N", b"Q"),
-}
 
 
 def _nested(name: str, depth: int) -> bytes:
