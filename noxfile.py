@@ -163,7 +163,10 @@ def packages_alone(session: nox.Session, package: str) -> None:
         session.install(me)
         session.run("python", "-c", "import sys, dcp_reader; assert 'torch' not in sys.modules, "
                     "'dcp_reader imported torch'")
-    session.install(f"{package}[torch] @ {pathlib.Path(me).as_uri()}", *siblings, *TORCH)
+    # dcp-load's README examples make a Hugging Face checkpoint to load, as save_pretrained
+    # would: with safetensors, which the examples need and the package does not.
+    examples = ["safetensors>=0.4.3"] if package == "dcp-load" else []
+    session.install(f"{package}[torch] @ {pathlib.Path(me).as_uri()}", *siblings, *TORCH, *examples)
     others = [p.replace("-", "_") for p in PACKAGES if p != package and p not in SIBLINGS[package]]
     session.run("python", "-c", f"import importlib.util as u; bad = [m for m in {others!r} if u.find_spec(m)]; "
                 "assert not bad, f'not declared, yet installed: {bad}'")
