@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import torch
-from integ_failure_cases import outcome
+from integ_failure_cases import dp_tp_state, outcome
 
 NAMES = [f"layer{i}.w" for i in range(8)]
 SHAPE = (16, 8)
@@ -136,23 +136,6 @@ def default_timeout_cases(rank: int, world: int, ck: dict[str, str]) -> dict[str
     return outcome(lambda: dcp_load.load(state, checkpoint_id=ck["a"]), lambda: holds(state, "a"))
 
 
-def _dp_tp(which: str) -> tuple[dict[str, Any], Any]:
-    """DP2 x TP2 DTensors [Replicate, Shard(0)] (replica groups (0, 2) and (1, 3)), poisoned."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    rows = SHAPE[0] // 2
-    tp = mesh["tp"].get_local_rank()
-    state = {n: DTensor.from_local(torch.full((rows, SHAPE[1]), float("nan")), mesh, [Replicate(), Shard(0)],
-                                   run_check=False) for n in NAMES}
-
-    def check() -> bool:
-        return all(torch.equal(state[n].to_local(), values(which, n)[tp * rows:(tp + 1) * rows]) for n in NAMES)
-
-    return state, check
-
-
 def after_execute_failure(rank: int, world: int, ck: dict[str, str], store_file: str) -> dict[str, Any]:
     """Rank 1's third broadcast raises; then every rank loads again with timeout=30; then the
     process group is re-created and the load is repeated."""
@@ -173,13 +156,13 @@ def after_execute_failure(rank: int, world: int, ck: dict[str, str], store_file:
             return super().broadcast(tensor, src, group)
 
     res: dict[str, Any] = {}
-    state, check = _dp_tp("a")
+    state, check = dp_tp_state(lambda n: values("a", n), NAMES, SHAPE)
     groups_before = len(c10d._world.pg_map)
     res["failure"] = outcome(lambda: dcp_load.load(state, checkpoint_id=ck["a"], platform=Failing(),
                                                    broadcast_replicated_tensors=True, broadcast_batch_bytes=0,
                                                    timeout=30.0))
     res["groups_leaked"] = len(c10d._world.pg_map) - groups_before
-    state, check = _dp_tp("a")
+    state, check = dp_tp_state(lambda n: values("a", n), NAMES, SHAPE)
     res["next"] = outcome(lambda: dcp_load.load(state, checkpoint_id=ck["a"], broadcast_replicated_tensors=True,
                                                 timeout=30.0), check)
     res["save"] = outcome(lambda: dcp_load.save({n: values("a", n) for n in NAMES},
@@ -188,7 +171,7 @@ def after_execute_failure(rank: int, world: int, ck: dict[str, str], store_file:
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    state, check = _dp_tp("a")
+    state, check = dp_tp_state(lambda n: values("a", n), NAMES, SHAPE)
     res["rebuilt"] = outcome(lambda: dcp_load.load(state, checkpoint_id=ck["a"], broadcast_replicated_tensors=True,
                                                    timeout=30.0), check)
     return res

@@ -38,6 +38,25 @@ def _state() -> dict[str, torch.Tensor]:
     return {n: torch.full(SHAPE, float("nan")) for n in NAMES}
 
 
+def dp_tp_state(expected: Callable[[str], torch.Tensor], names: list[str] = NAMES,
+                shape: tuple[int, int] = SHAPE) -> tuple[dict[str, Any], Callable[[], bool]]:
+    """DP2 x TP2 DTensors [Replicate, Shard(0)] (replica groups (0, 2) and (1, 3)) of
+    ``names``, poisoned, and a check that each holds its rows of ``expected(name)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rows = shape[0] // 2
+    tp = mesh["tp"].get_local_rank()
+    state = {n: DTensor.from_local(torch.full((rows, shape[1]), float("nan")), mesh, [Replicate(), Shard(0)],
+                                   run_check=False) for n in names}
+
+    def check() -> bool:
+        return all(torch.equal(state[n].to_local(), expected(n)[tp * rows:(tp + 1) * rows]) for n in names)
+
+    return state, check
+
+
 def outcome(fn: Callable[[], Any], check: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Run ``fn``; the LoadError (or other error) it raised and the seconds it took."""
     from dcp_load import LoadError

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from integ_failure_cases import NAMES, SHAPE, full, outcome
+from integ_failure_cases import NAMES, SHAPE, dp_tp_state, full, outcome
 
 #: names of the store-keys checkpoint: enough that a per-name leftover would show
 KEY_NAMES = [f"k.{i}" for i in range(96)]
@@ -47,23 +47,6 @@ def kill_in_digest(rank: int, world: int, ckpts: dict[str, str], victim: int) ->
     digest.all_reduce = all_reduce
     state = _plain_state()
     return outcome(lambda: dcp_load.load(state, checkpoint_id=ckpts["good"], broadcast_replicated_tensors=True))
-
-
-def _dp_tp_state() -> tuple[dict[str, Any], Callable[[], bool]]:
-    """DP2 x TP2 DTensors [Replicate, Shard(0)] (replica groups (0, 2) and (1, 3)), poisoned."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    rows = SHAPE[0] // 2
-    tp = mesh["tp"].get_local_rank()
-    state = {n: DTensor.from_local(torch.full((rows, SHAPE[1]), float("nan")), mesh, [Replicate(), Shard(0)],
-                                   run_check=False) for n in NAMES}
-
-    def check() -> bool:
-        return all(torch.equal(state[n].to_local(), full(n)[tp * rows:(tp + 1) * rows]) for n in NAMES)
-
-    return state, check
 
 
 class _NoMemberGroups:
@@ -103,7 +86,7 @@ def kill_in_group_creation(rank: int, world: int, ckpts: dict[str, str], victim:
 
     _groups.GroupManager._create = create  # type: ignore[method-assign]
     platform = Killing() if members_only else type("Gathering", (_NoMemberGroups, Killing), {})()
-    state, _ = _dp_tp_state()
+    state, _ = dp_tp_state(full)
     return outcome(lambda: dcp_load.load(state, checkpoint_id=ckpts["good"], platform=platform,
                                          broadcast_replicated_tensors=True))
 

@@ -21,7 +21,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ._convert_fill import FileResult, fill_files, partial_name
@@ -66,7 +66,6 @@ class ConvertReport:
     cast: tuple[str, ...] = ()
     workers: int = 1
     values: int = 0
-    file_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 def select_names(names: Sequence[str], keys: Any, what: str = "keys") -> list[str]:
@@ -292,8 +291,7 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
         src=src_real, dst=dst_abs, format=to, tensors=len(out), bytes_read=sum(r.bytes_read for r in results),
         bytes_written=written, files=tuple(f.name for f in files), seconds=time.perf_counter() - t0,
         skipped=tuple(skipped), cast=tuple(sorted({n for r in results for n in r.cast})),
-        workers=min(workers, max(1, len(files))), values=len(values),
-        file_seconds={r.name: r.seconds for r in results})
+        workers=min(workers, max(1, len(files))), values=len(values))
     logger.info("converted %s -> %s (%s): %d tensor(s) in %d file(s), %s read, %s written in %.2f s on %d "
                 "worker(s)%s", src_real, dst_abs, to, report.tensors, len(files), human_bytes(report.bytes_read),
                 human_bytes(report.bytes_written), report.seconds, report.workers,
@@ -353,16 +351,9 @@ def _write(src_real: str, tmp: str, files: Sequence[OutFile], values: Mapping[st
 
 def _load_sources(sources: Mapping[str, Any], renames: Mapping[str, str]) -> Any:
     """What the fill passes on: renames alone are done here (each output tensor loads from
-    its saved name), composed sources go to ``load(sources=...)``, which must take them."""
+    its saved name), composed sources go to ``load(sources=...)``."""
     if all(isinstance(v, str) for v in sources.values()):
         return {"renames": dict(renames)}
-    import inspect
-
-    from ._load import load
-
-    if "sources" not in inspect.signature(load).parameters:
-        raise ValueError("sources with concat/stack/slice need load(sources=...), which this dcp-load lacks; "
-                         "use renames only, or upgrade dcp-load")
     return {"load": dict(sources)}
 
 

@@ -7,9 +7,6 @@ g}``, ``{"stack": [parts], "dim": d}`` and ``{"slice": "saved name", "dim": d, "
 ``sources`` holding the mapping (``dcp_load.Concat`` and friends). ``{name}`` placeholders
 in a destination stand for one dot-free segment, bound by the saved names of its first
 source.
-
-``Concat``, ``Stack`` and ``Slice`` are imported where they are used, so renames work with
-any ``load`` and composed sources need one that takes ``sources=``.
 """
 
 from __future__ import annotations
@@ -21,23 +18,15 @@ import runpy
 from collections.abc import Mapping
 from typing import Any
 
+from ._sources import Concat, Slice, Stack
+
 __all__ = ["composed_tensors", "load_sources_file", "sources_from_json"]
-
-
-def _classes() -> tuple[Any, Any, Any]:
-    try:
-        from . import Concat, Slice, Stack  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError("this dcp-load has no Concat/Stack/Slice sources (load(sources=...)); only renames "
-                         "(strings) can be used: upgrade dcp-load") from None
-    return Concat, Stack, Slice
 
 
 def _part(value: Any, where: str) -> Any:
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping) and "slice" in value:
-        _, _, Slice = _classes()
         try:
             return Slice(value["slice"], int(value["dim"]), int(value["start"]), int(value["stop"]))
         except KeyError as exc:
@@ -51,7 +40,6 @@ def _source(value: Any, where: str) -> Any:
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"sources {where}: expected a name or a concat/stack/slice object, got {value!r:.80}")
-    Concat, Stack, _ = _classes()
     if "concat" in value:
         return Concat([_part(p, where) for p in value["concat"]], dim=int(value.get("dim", 0)),
                       groups=int(value.get("groups", 1)))

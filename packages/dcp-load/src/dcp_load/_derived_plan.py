@@ -22,7 +22,7 @@ from ._hosts import host_id
 from ._local_plan import plan_for_rank
 from ._plan import GlobalPlan, HostBlocks, Want
 
-__all__ = ["checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest"]
+__all__ = ["checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest", "settings_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ def metadata_digest(tensors: Mapping[str, Any], *, values: Mapping[str, Any] | N
                                   *getattr(c, "origin", ())) for c in t.chunks))
                           for n, t in sorted(tensors.items())],
                   *[(n, getattr(v, "checksum", None)) for n, v in sorted((values or {}).items())])
+
+
+def settings_text(settings: tuple[Any, ...]) -> str:
+    """The broadcast settings ``_load`` compares, as a person reads them (in mismatch errors)."""
+    return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
 
 
 def checkpoint_digest(reader: Any) -> int:
@@ -95,9 +101,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     host = host_id() if broadcast else ""
     equal = [(meta_hash, "the checkpoint metadata differs from "
               "other ranks' (open the same checkpoint, with the same sources=, on every rank)"),
-             (digest(settings, custom_planner), f"broadcast_replicated_tensors={settings[0]}, "
-              f"broadcast_batch_bytes={settings[1]}, broadcast_groups={'given' if settings[2] else 'None'}, "
-              f"planner={settings[3] if len(settings) > 3 and settings[3] else 'default'}: every rank must pass "
+             (digest(settings, custom_planner), f"{settings_text(settings)}: every rank must pass "
               "the same broadcast settings"),
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
               "must see the same")]

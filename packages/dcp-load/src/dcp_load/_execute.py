@@ -177,10 +177,10 @@ def _saved_dtype(reader: Any, name: str, chunk: Any, tensors: Mapping[str, Any])
 
 def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str,
                 scratch: Scratch | None = None) -> None:
-    """Read one piece into ``dest``. A torch destination of the checkpoint's dtype is read
-    in place (``CheckpointReader.read_into``: straight into a contiguous destination, one
-    copy instead of two); a cast, or a MindSpore destination, goes through ``read`` and the
-    adapter's copy. Block checksums are verified by the rank that fetches a box for its
+    """Read one piece into ``dest``. A contiguous torch destination of the saved dtype is
+    read in place (``CheckpointReader.read_into``: one copy instead of two); a cast or a
+    strided torch destination is staged in bounded pieces (``_stage.read_staged``); a
+    MindSpore destination goes through ``read`` and the adapter's copy. Block checksums are verified by the rank that fetches a box for its
     host, not again by the ranks that re-read it from that host's page cache."""
     verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
     if target.adapter.name == "torch" and target.dtype == saved_dtype and dest.is_contiguous():

@@ -13,7 +13,7 @@ from dcp_platform import PeerFailure
 
 from ._aliases import resolve_aliases
 from ._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
-from ._derived_plan import checkpoint_digest, derived_plan, ensure_groups
+from ._derived_plan import checkpoint_digest, derived_plan, ensure_groups, settings_text
 from ._errors import LoadError, format_ranks
 from ._execute import execute
 from ._flat_target import check_overlaps
@@ -238,14 +238,14 @@ def _enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, stor
 
 
 def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
-                  settings: tuple[Any, ...], broadcast: bool, reader: Any) -> tuple[list[Any], Any]:
+                  settings: tuple[Any, ...], broadcast: bool, digest: int | None) -> tuple[list[Any], Any]:
     """Every rank's wants and hosts (the gathered path), after checking that every rank
     passed the same broadcast settings and planned from the same checkpoint metadata (a
     checkpoint re-saved during the load, or nodes with different copies, would make the
     ranks walk different broadcast schedules: gloo aborted the process on the size
-    mismatch). Either difference raises LoadError on every rank, naming the ranks."""
+    mismatch). Either difference raises LoadError on every rank, naming the ranks.
+    ``digest``: the checkpoint's ``checkpoint_digest`` (None without a reader)."""
     host = host_id() if broadcast else None
-    digest = checkpoint_digest(reader) if reader is not None else None
     gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
                                   payload=(wants, settings, host, digest))
     if len({s for _, s, _, _ in gathered_all}) > 1:
@@ -262,12 +262,6 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
                              "a copy that differs, a checkpoint re-saved during the load, or different sources="]
                          for g in groups[1:] for r in g}, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
-
-
-def settings_text(settings: tuple[Any, ...]) -> str:
-    """The broadcast settings of ``_make_plan`` as a person reads them (in mismatch errors)."""
-    return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
-            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
 
 
 def _fallback_platform(exc: Exception) -> Any:
@@ -362,16 +356,16 @@ def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepa
                 None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}")
     # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
+    meta_hash = checkpoint_digest(reader) if reader is not None else None  # hashes every chunk: once
     plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
                         failed=bool(errors), settings=settings, broadcast=broadcast,
                         same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter, meta_hash=checkpoint_digest(reader) if reader is not None else None
-                        ) if collective else None
+                        watch=coord.waiter, meta_hash=meta_hash) if collective else None
     if plan is not None:
         phases.end("prepare")
         phases.end("plan")
         return plan, True
-    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, reader)
+    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, meta_hash)
     phases.end("prepare")
     plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
                              hosts=hosts, same_host_reads=mode == AUTO)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._progress import human_bytes, plural
+from ._progress import _isatty, human_bytes, plural
 
 __all__ = ["add_parser", "run"]
 
@@ -70,10 +70,7 @@ class StatusLine:
 
     def __init__(self, stream: Any = None, clock: Any = time.monotonic):
         self.stream = stream if stream is not None else sys.stderr
-        try:
-            self.on = bool(self.stream.isatty())
-        except (AttributeError, ValueError):
-            self.on = False
+        self.on = _isatty(self.stream)
         self.clock, self.last, self.width = clock, float("-inf"), 0
 
     def __call__(self, text: str) -> None:

@@ -126,8 +126,9 @@ class SourcedReader:
         if not isinstance(chunk, VirtualChunk):
             return self.inner.read_into(name, chunk, offsets, sizes, out, verify=verify)
         real_offsets, real_sizes = chunk.real_box(offsets, sizes)
-        if self.inner.metadata.tensors[chunk.source].dtype != self.metadata.tensors[name].dtype:
-            # a part of another dtype than the composed tensor's first part: read, then cast
+        if self.inner.metadata.tensors[chunk.source].dtype != _dtype_name(out):
+            # ``out`` of another dtype than the part's saved one: read, then cast (``_execute``
+            # stages in the part's own dtype, ``chunk_dtype``, so this is the rare path)
             data = self.inner.read(chunk.source, chunk.real, real_offsets, real_sizes,
                                    framework="numpy" if _is_numpy(out) else "torch", verify=verify)
             data = data.reshape(tuple(sizes))
@@ -154,6 +155,11 @@ def _without(out: Any, added: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
 
 def _is_numpy(value: Any) -> bool:
     return type(value).__module__ == "numpy"
+
+
+def _dtype_name(array: Any) -> str:
+    """``array``'s dtype as the checkpoint names it ("float32", "bfloat16", ...)."""
+    return array.dtype.name if _is_numpy(array) else str(array.dtype).removeprefix("torch.")
 
 
 def _virtual(name: str, source: Any, saved: Mapping[str, Any]) -> TensorMeta:

@@ -14,7 +14,7 @@ from .formats._detect import detect_format
 from .formats._native import load_native, stray_among, stray_files
 from .storage._object import ObjectStorage
 from .storage._paths import METADATA_LIMIT, read_regular
-from .storage._uri import is_uri
+from .storage._uri import is_uri, real_root
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
     chunks = with_sums = verified = 0
     r, missing, fmt = _open(path, format)
     if r is None:  # a format whose files cannot be checked one by one: list what is missing
-        return VerifyReport(path=os.path.realpath(os.fspath(path)), format=fmt, tensors=0, chunks=0,
+        return VerifyReport(path=real_root(path), format=fmt, tensors=0, chunks=0,
                             chunks_with_checksums=0, bytes_verified=0, seconds=time.perf_counter() - t0,
                             problems=tuple(f"missing file {n!r}: named by the metadata, not in the directory "
                                            "(copy it or re-save)" for n in missing))
@@ -97,7 +97,7 @@ def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointR
     except MissingFileError as e:
         if not e.offenders:
             raise
-        root = os.path.realpath(os.fspath(path))
+        root = real_root(path)  # a local path resolved, or an s3:// root as it is
         fmt = format or detect_format(root)
         if fmt != "native":
             return None, list(e.offenders), fmt

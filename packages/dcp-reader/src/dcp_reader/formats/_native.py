@@ -29,7 +29,7 @@ SAVE_ID_RE = re.compile(r"[0-9a-f]{12}")
 # values files (with or without a save id) and the temporary files of any of them or of the
 # metadata (``<name>.tmp-<pid>``, left behind by a killed save). Only such files are ever
 # removed as leftovers or reported as stray; anything else in the directory is the user's.
-_OWN_FILE_RE = re.compile(r"(?:rank-\d{5}(?:\.[0-9a-f]{12})?\.safetensors|values(?:\.[0-9a-f]{12})?\.pkl"
+_OWN_FILE_RE = re.compile(rf"(?:rank-\d{{5}}(?:\.{SAVE_ID_RE.pattern})?\.safetensors|values(?:\.{SAVE_ID_RE.pattern})?\.pkl"
                           r"|dcp-metadata\.json)(?:\.tmp-\d+)?")
 _LEGACY_DATA_RE = re.compile(r"rank-\d{5}\.safetensors")
 _LEGACY_VALUES = "values.pkl"

@@ -254,10 +254,6 @@ class _Walk:
             else:
                 raise _Refused(f"memo index {index} but only {len(self.memo)} entries were stored before "
                                "it (pickle numbers them in order)")
-        elif kind == _EMPTY:
-            stack.append([1, 0, []])
-        elif kind == _MARK:
-            self.marks.append(len(stack))
         elif kind == _TUPLE_N:
             items = self._take(take)
             stack.append(self._node(items, take))

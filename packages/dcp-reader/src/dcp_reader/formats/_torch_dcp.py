@@ -100,7 +100,8 @@ def _entries(md: Any, path: str) -> tuple[dict[str, TensorMeta], dict[str, Value
 
     for fqn, m in (md.get("state_dict_metadata", 0) or {}).items():
         if not isinstance(fqn, str):  # before it is formatted into any message
-            raise MetadataError(f"state_dict_metadata has a key {short_repr(fqn)}, not a str", path=path)
+            raise MetadataError(f"state_dict_metadata has a key {short_repr(fqn)}, not a str: the file is "
+                                "corrupt; copy it again or re-save the checkpoint", path=path)
         try:
             q = getattr(m, "qualname", "")
             if q.endswith(".BytesStorageMetadata"):

@@ -185,7 +185,8 @@ class ObjectStorage:
             return MissingFileError(f"{where} (for {key!r}); the checkpoint is incomplete or the URI is "
                                     "wrong: check it, or copy the missing object", path=uri, key=key)
         return StorageError(f"{doing} failed at {endpoint_of(self.scheme)} after retries "
-                            f"({type(e).__name__}: {_first_line(text)})", path=uri, key=key)
+                            f"({type(e).__name__}: {_first_line(text)}); check that the endpoint is reachable "
+                            "and retry, or raise DCP_STORAGE_TOTAL_TIMEOUT (seconds) for a slow store", path=uri, key=key)
 
     def _call(self, fn: Any, name: str, key: str | None, doing: str, *args: Any, **kw: Any) -> Any:
         """``fn(store, ...)`` retried as GETs are (``_retrying``)."""

@@ -41,10 +41,5 @@ def real_root(path: str | os.PathLike[str]) -> str:
     return os.path.realpath(path)
 
 
-def join(root: str, name: str) -> str:
-    """``root`` / ``name`` for both kinds of root."""
-    return f"{root}/{name}" if is_uri(root) else os.path.join(root, name)
-
-
 def parent(path: str) -> str:
     return posixpath.dirname(path) if is_uri(path) else os.path.dirname(path)
