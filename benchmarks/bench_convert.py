@@ -138,7 +138,7 @@ def _tree(pid: int) -> list[int]:
 def measure(method: str, src: Path, dst: Path) -> dict[str, float]:
     """Run ``method`` in a child; (seconds, peak extra anonymous bytes of its process tree)."""
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
-    from dcp_load._convert_layout import parse_size
+    from dcp_load.conversion._layout import parse_size
 
     with subprocess.Popen([sys.executable, "-c", CHILD, method, str(src), str(dst), str(parse_size(SHARD))],
                           stdin=subprocess.PIPE,

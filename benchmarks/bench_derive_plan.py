@@ -35,8 +35,8 @@ from typing import Any
 def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
     """max/mean bytes read per rank of the gathered global plan with GreedyPlanner."""
     from dcp_load import GreedyPlanner
-    from dcp_load._plan import build_global_plan
-    from dcp_load._simulate import gathered_wants
+    from dcp_load.plan._plan import build_global_plan
+    from dcp_load.plan._simulate import gathered_wants
 
     wants, hosts = gathered_wants(tensors, layout)
     plan = build_global_plan(tensors, wants, hosts=hosts, planner=GreedyPlanner())
@@ -44,7 +44,7 @@ def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
 
 
 def run(worlds: list[int], greedy_up_to: int, repeats: int) -> list[dict[str, Any]]:
-    from dcp_load._simulate import Layout, model_metadata, simulate
+    from dcp_load.plan._simulate import Layout, model_metadata, simulate
 
     tensors = model_metadata("llama-70b")
     rows = []

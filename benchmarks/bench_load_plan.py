@@ -76,7 +76,7 @@ def metadata(model: BigModel) -> dict[str, Any]:
 
 def wants_for(model: BigModel, tp: int, pp: int, dp: int) -> list[list[Any]]:
     """Every rank's wants (rank = (dp_i * pp + pp_i) * tp + tp_i)."""
-    from dcp_load._plan import BROADCASTABLE, VIEWS
+    from dcp_load.plan._plan import BROADCASTABLE, VIEWS
 
     flags = BROADCASTABLE | VIEWS
     per_stage = model.layers // pp
@@ -110,7 +110,7 @@ def wants_for(model: BigModel, tp: int, pp: int, dp: int) -> list[list[Any]]:
 
 def _one(model: BigModel, tp: int, pp: int, dp: int, repeats: int) -> dict[str, Any]:
     from dcp_broadcast import BroadcastItem
-    from dcp_load._plan import build_global_plan
+    from dcp_load.plan._plan import build_global_plan
 
     world = tp * pp * dp
     meta = metadata(model)

@@ -46,7 +46,7 @@ class Counter:
             return tensor_gather(outs, tensor, group=group, async_op=async_op)
 
         dist.all_gather_object, dist.all_reduce, dist.all_gather = all_gather_object, all_reduce, all_gather
-        import dcp_load._digest as digest_module
+        import dcp_load.plan._digest as digest_module
 
         self._store = digest_module._store
         counter = self
@@ -71,7 +71,7 @@ class Counter:
         import torch.distributed as dist
 
         dist.all_gather_object, dist.all_reduce, dist.all_gather = self._saved
-        import dcp_load._digest as digest_module
+        import dcp_load.plan._digest as digest_module
 
         digest_module._store = self._store
 

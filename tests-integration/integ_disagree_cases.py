@@ -86,7 +86,7 @@ def pairing_cases(rank: int, world: int, ck: dict[str, str]) -> dict[str, Any]:
     res["after_solo_save"] = _case(ck["b"], "b")
     # A no_dist load on every rank pairs with nothing and leaves no key in the store.
     import torch.distributed as dist
-    from dcp_load import _coordinate
+    from dcp_load.run import _coordinate
     from torch.distributed import distributed_c10d as c10d
 
     slot = int(repr(_coordinate._LOADS)[len("count("):-1])  # the number the next call takes

@@ -89,7 +89,7 @@ def ragged_ranks(world: int) -> dict[int, dict[str, list[tuple[tuple[int, ...], 
     """What the seed's ``RaggedShard`` saves: rank ``r`` holds partition ``r`` of each dtype
     space, and writes each tensor's part as the boxes its interval decomposes into (several
     ``__dcp_chunk_{i}`` keys of one tensor in one file)."""
-    from dcp_load._flat import flat_boxes
+    from dcp_load.layouts._flat import flat_boxes
 
     out: dict[int, dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]] = {r: {} for r in range(world)}
     for dtype in DTYPES:

@@ -214,8 +214,8 @@ def _strided_1d(root: str) -> list[str]:
     r and 4 + r of 8), so its target holds two boxes; save and load must follow torch's own
     reading of the layout (``full_tensor``)."""
     import dcp_load
-    from dcp_load._state import Leaf
-    from dcp_load._targets import target_for
+    from dcp_load.layouts._state import Leaf
+    from dcp_load.layouts._target_for import target_for
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard

@@ -35,7 +35,7 @@ def _plain_state() -> dict[str, torch.Tensor]:
 def kill_in_digest(rank: int, world: int, ckpts: dict[str, str], victim: int) -> dict[str, Any]:
     """``victim`` dies as it enters the derived-planning digest's first all-reduce."""
     import dcp_load
-    import dcp_load._digest as digest
+    import dcp_load.plan._digest as digest
 
     real = digest.all_reduce
 
@@ -141,7 +141,7 @@ def _stage_state(names: list[str]) -> tuple[dict[str, Any], Callable[[], bool]]:
 def shared_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
     """Scenarios that leave the process group usable, in one launch."""
     import dcp_load
-    import dcp_load._digest as digest
+    import dcp_load.plan._digest as digest
     import torch.distributed as dist
     from dcp_platform import Watch
     from torch.distributed import distributed_c10d as c10d

@@ -85,7 +85,7 @@ def test_ragged_checkpoint_into_dtensors(results):
 
 
 def test_zero4_save_writes_one_chunk_per_box_and_loads_into_dtensors(results, ckpts):
-    from dcp_load._flat import flat_boxes
+    from dcp_load.layouts._flat import flat_boxes
     from dcp_reader import open_checkpoint
 
     saved = _case(results, "save_zero4")

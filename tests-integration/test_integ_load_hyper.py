@@ -95,7 +95,7 @@ def test_rank_local_checkpoint_refuses_rows_another_rank_saved(results):
 
 
 def test_dcp_inspect_shows_the_format(ckpts, capsys):
-    from dcp_load._cli import inspect, main
+    from dcp_load.cli._main import inspect, main
 
     out = io.StringIO()
     assert inspect(ckpts["global"], chunks=True, allow_pickle=False, out=out) == 0

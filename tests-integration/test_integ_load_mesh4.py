@@ -99,7 +99,7 @@ def test_meshes_read_every_byte_once(results, placements, src):
 def test_a_large_replicated_tensor_is_read_in_slabs_by_several_ranks(results):
     reports = _case(results, "big_split")
     _read_once(reports, 8192 * 1024 * 4)
-    # 32 MiB in 8 MiB slabs (dcp_load._plan.SPLIT_BYTES): one slab for each of the 4 ranks
+    # 32 MiB in 8 MiB slabs (dcp_load.plan._plan.SPLIT_BYTES): one slab for each of the 4 ranks
     assert sorted(r["bytes_read"] for r in reports) == [8 * 2**20] * 4
 
 

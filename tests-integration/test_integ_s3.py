@@ -97,7 +97,7 @@ def test_save_then_load_on_one_process_multipart_and_metadata_last(s3):
 
 
 def test_cli_inspect_verify_and_plan_on_s3(s3):
-    from dcp_load._cli import main
+    from dcp_load.cli._main import main
 
     _, uris = s3
     for fmt in ("native", "hf"):

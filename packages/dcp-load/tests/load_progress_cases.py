@@ -19,7 +19,7 @@ class FakeTTY(io.StringIO):
 
 def load_with_progress(rank: int, world_size: int, checkpoint: str) -> tuple[list[str], str, bool]:
     import dcp_load
-    from dcp_load import _progress
+    from dcp_load.run import _progress
 
     records: list[str] = []
     handler = logging.Handler(logging.INFO)

@@ -13,7 +13,7 @@ import dcp_reader
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_load._cli import main
+from dcp_load.cli._main import main
 
 
 def test_version_names_every_dcp_package(capsys):

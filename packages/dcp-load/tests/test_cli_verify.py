@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_load import save
-from dcp_load._cli import main
+from dcp_load.cli._main import main
 from dcp_reader import verify_checkpoint
 from safetensors.torch import save_file
 

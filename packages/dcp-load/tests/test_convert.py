@@ -21,8 +21,8 @@ import dcp_load
 import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
-from dcp_load._cli import main as cli_main
-from dcp_load._convert_layout import parse_size
+from dcp_load.cli._main import main as cli_main
+from dcp_load.conversion._layout import parse_size
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -207,7 +207,8 @@ def _header(path: Path) -> str:
 
 
 def test_two_workers_write_the_same_bytes_as_one(tmp_path, monkeypatch):
-    from dcp_load import _convert_fill, _convert_workers
+    from dcp_load.conversion import _fill as _convert_fill
+    from dcp_load.conversion import _workers as _convert_workers
 
     def one_then_stop(counter, n):  # this process fills one file, the worker process the others
         real, took = _convert_fill.claimer(counter, n), []
@@ -255,7 +256,7 @@ def test_sigkill_mid_way_leaves_nothing_a_loader_takes(tmp_path):
     # one not started
     script = textwrap.dedent(f"""
         import sys, time
-        import dcp_load._convert_fill as fill
+        import dcp_load.conversion._fill as fill
         real = fill.fill_file
         def slow(*a, **k):
             r = real(*a, **k)
@@ -322,7 +323,7 @@ def test_sources_file_renames(tmp_path):
 
 def test_sources_file_composed(tmp_path):
     """Concat/Stack/Slice are parsed into load's classes and the output shapes computed."""
-    from dcp_load._convert_sources import composed_tensors, load_sources_file
+    from dcp_load.conversion._sources import composed_tensors, load_sources_file
 
     _write("native", tmp_path / "src")
     spec = tmp_path / "s.json"
@@ -346,7 +347,7 @@ def test_sources_file_composed(tmp_path):
 
 @pytest.mark.parametrize("claims", ["parent", "worker"])
 def test_a_failed_read_is_reported_and_cleaned_up(tmp_path, monkeypatch, claims):
-    from dcp_load import _convert_workers
+    from dcp_load.conversion import _workers as _convert_workers
 
     _write("native", tmp_path / "src")
     victim = next((tmp_path / "src").glob("*.safetensors"))
@@ -365,7 +366,7 @@ def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, caplog):
     import io
     import logging
 
-    from dcp_load import _convert
+    from dcp_load.conversion import _convert
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -375,9 +376,9 @@ def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, caplog):
     real = _convert.Progress
     monkeypatch.setattr(_convert, "Progress", lambda *a, **k: real(*a, **k, stream=tty, delay_s=0.0))
     _write("native", tmp_path / "src")
-    with caplog.at_level(logging.INFO, logger="dcp_load._convert"):
+    with caplog.at_level(logging.INFO, logger="dcp_load.conversion._convert"):
         dcp_load.convert(tmp_path / "src", tmp_path / "out", max_shard_bytes="8KB")
     assert "dcp convert [" in tty.getvalue() and "100%" in tty.getvalue()
-    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_load._convert"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_load.conversion._convert"]
     assert not any(m.startswith("wrote ") for m in lines)  # the bar replaces the per-file lines
     assert any(m.startswith("converted ") for m in lines)  # the closing summary

@@ -13,7 +13,7 @@ from pathlib import Path
 import dcp_load
 import pytest
 from dcp_load import LoadReport
-from dcp_load._cli import main
+from dcp_load.cli._main import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from dcp_load._derive import Derived, mesh_boxes
-from dcp_load._local_plan import plan_for_rank, restrict
-from dcp_load._plan import BROADCASTABLE, VIEWS, build_global_plan
+from dcp_load.plan._derive import Derived, mesh_boxes
+from dcp_load.plan._local import plan_for_rank, restrict
+from dcp_load.plan._plan import BROADCASTABLE, VIEWS, build_global_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -150,7 +150,7 @@ def test_rank_local_planning_scales_with_holder_sets() -> None:
 
 
 def _lanes_sum(per_rank) -> int:
-    from dcp_load._digest import PRIME, holder_lane
+    from dcp_load.plan._digest import PRIME, holder_lane
 
     return sum(holder_lane(entries, r) for r, entries in enumerate(per_rank)) % PRIME
 
@@ -172,7 +172,7 @@ def test_holder_check_is_zero_exactly_when_layouts_agree() -> None:
 
 
 def test_host_check() -> None:
-    from dcp_load._digest import PRIME, host_lane
+    from dcp_load.plan._digest import PRIME, host_lane
 
     assert sum(host_lane(f"h{r // 2}", r, 6, 2) for r in range(6)) % PRIME == 0
     assert sum(host_lane(f"h{r // 2}", r, 5, 2) for r in range(5)) % PRIME == 0  # a short last node
@@ -184,8 +184,8 @@ def test_derived_plans_equal_the_global_plan_on_a_model_layout() -> None:
     # Llama-8B shapes on TP2 x PP2 x DP4, 4 ranks per host ("auto"): holder sets big enough
     # to be dealt in stripes, hosts computed (HostBlocks) or listed; every rank's own plan
     # is its part of the global plan built from every rank's gathered wants.
-    from dcp_load._plan import HostBlocks
-    from dcp_load._simulate import Layout, gathered_wants, model_metadata, stage_entries
+    from dcp_load.plan._plan import HostBlocks
+    from dcp_load.plan._simulate import Layout, gathered_wants, model_metadata, stage_entries
 
     tensors = model_metadata("llama-8b")
     layout = Layout(2, 2, 4, ranks_per_host=4)

@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 import pytest
-from dcp_load._derive import Derived, _placement_key, _placement_objects, derive_entry, mesh_boxes
-from dcp_load._local_plan import plan_for_rank, restrict
-from dcp_load._plan import BROADCASTABLE, VIEWS, build_global_plan
-from dcp_load._targets import boxes_at
+from dcp_load.layouts._targets import boxes_at
+from dcp_load.plan._derive import Derived, _placement_key, _placement_objects, derive_entry, mesh_boxes
+from dcp_load.plan._local import plan_for_rank, restrict
+from dcp_load.plan._plan import BROADCASTABLE, VIEWS, build_global_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -140,13 +140,13 @@ class _FakeMesh:
 
 
 def test_derive_entry_checks_own_boxes(monkeypatch) -> None:
-    import dcp_load._targets as targets
+    import dcp_load.layouts._targets as targets
 
     class Fake:
         def __init__(self, placements):
             self.placements, self.device_mesh = placements, _FakeMesh([[0, 1], [2, 3]])
 
-    monkeypatch.setattr(targets, "_is_dtensor", lambda v: isinstance(v, Fake))
+    monkeypatch.setattr(targets, "is_dtensor", lambda v: isinstance(v, Fake))
     Fake.__module__ = "torch.fake"
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard

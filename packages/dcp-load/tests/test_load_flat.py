@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 from dcp_load import Chunk, Flat, flat_views, load, save
-from dcp_load._flat import flat_boxes
-from dcp_load._flat_target import FlatTarget
-from dcp_load._plan import BROADCASTABLE, build_global_plan
-from dcp_load._state import Leaf
-from dcp_load._targets import target_for
+from dcp_load.layouts._flat import flat_boxes
+from dcp_load.layouts._flat_target import FlatTarget
+from dcp_load.layouts._state import Leaf
+from dcp_load.layouts._target_for import target_for
+from dcp_load.plan._plan import BROADCASTABLE, build_global_plan
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -144,7 +144,7 @@ def test_random_intervals_load_exactly_and_read_only_their_bytes(tmp_path_factor
 
 def _own_and_cut(metas, rank_boxes, itemsize):
     """(own bytes, bytes of the saved rows the boxes cut partially) of one rank."""
-    from dcp_load._plan import intersect
+    from dcp_load.plan._plan import intersect
 
     own = cut = 0
     for name, offsets, sizes in rank_boxes:
@@ -259,7 +259,7 @@ def test_save_refuses_a_tensor_only_empty_intervals_hold(tmp_path):
 def test_flats_are_never_derived():
     """Not even whole-tensor ones: derived as a plain tensor, a tensor one rank of a ZeRO
     partition holds whole would be planned on every rank (test_integ_load_flat)."""
-    from dcp_load._derive import derive_entry
+    from dcp_load.plan._derive import derive_entry
 
     whole = Flat(torch.zeros(12), (3, 4), 0)
     assert derive_entry(whole, "w", (3, 4), "float32", 0, 4, [((0, 0), (3, 4))], 1) is None

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 from dcp_load import Chunk
-from dcp_load._state import is_tensor
-from dcp_load._targets import adapter_for
+from dcp_load.layouts._state import is_tensor
+from dcp_load.layouts._targets import adapter_for
 from dcp_platform._select import platform_name
-from dcp_reader._writer import _as_bytes
+from dcp_reader.write._writer import _as_bytes
 
 
 @pytest.fixture

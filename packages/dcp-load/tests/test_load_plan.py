@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from dcp_load import GreedyPlanner, ReadItem, build_global_plan
-from dcp_load._plan import BROADCASTABLE, VIEWS, intersect
+from dcp_load.plan._plan import BROADCASTABLE, VIEWS, intersect
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,7 +127,7 @@ def test_large_replicated_pieces_are_dealt_in_equal_stripes() -> None:
 
 
 def test_stripes_cut_at_the_nearest_row_and_cover_every_row_once() -> None:
-    from dcp_load._segments import stripe_rows
+    from dcp_load.plan._segments import stripe_rows
 
     # 10 rows of 32 bytes at byte 0 of a 328-byte stream in 3 stripes: cuts at rows 3 and 7
     assert stripe_rows(0, 320, 0, 10, 32, 328, 3) == [(0, 3, 0), (3, 7, 1), (7, 10, 2)]

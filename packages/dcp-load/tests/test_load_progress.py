@@ -13,13 +13,14 @@ from pathlib import Path
 import dcp_load
 import pytest
 import torch
-from dcp_load._progress import Progress, human_bytes
+from dcp_load.run._progress import Progress
+from dcp_load.run._units import human_bytes
 from dcp_platform.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 import load_progress_cases as cases  # noqa: E402
 
-LOGGER = "dcp_load._progress"
+LOGGER = "dcp_load.run._progress"
 PHASES = ["load phase prepare", "load phase plan", "load plan", "load phase validate", "load phase execute",
           "load phase finish", "load phase total"]
 
@@ -120,7 +121,7 @@ def test_info_lines_on_rank_0_and_nothing_on_other_ranks(caplog):
 
 def test_nothing_when_logging_is_off(checkpoint, caplog, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", cases.FakeTTY())
-    monkeypatch.setattr("dcp_load._progress.DELAY_S", 0.0)
+    monkeypatch.setattr("dcp_load.run._progress.DELAY_S", 0.0)
     with caplog.at_level(logging.WARNING, logger="dcp_load"):
         dcp_load.load({"w": torch.empty(64, 32)}, checkpoint_id=checkpoint, strict=False)
     assert caplog.records == [] and sys.stderr.getvalue() == ""
@@ -128,7 +129,7 @@ def test_nothing_when_logging_is_off(checkpoint, caplog, capsys, monkeypatch):
 
 def test_one_process_load_logs_every_phase_and_draws_the_bar(checkpoint, caplog, monkeypatch):
     monkeypatch.setattr(sys, "stderr", cases.FakeTTY())
-    monkeypatch.setattr("dcp_load._progress.DELAY_S", 0.0)
+    monkeypatch.setattr("dcp_load.run._progress.DELAY_S", 0.0)
     with caplog.at_level(logging.INFO, logger="dcp_load"):
         dcp_load.load({"w": torch.empty(64, 32)}, checkpoint_id=checkpoint, strict=False)
     messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
@@ -158,10 +159,10 @@ def test_a_rank_part_of_a_derived_plan_claims_no_job_wide_reads_per_rank():
     """Rank r's part of a derived plan charges other ranks only the rows it planned: a
     max/mean over those partial loads (1.537 here, against 1.000 for the job) must not be
     printed as the job's bytes read per rank."""
-    from dcp_load._local_plan import plan_for_rank
-    from dcp_load._plan import HostBlocks
-    from dcp_load._plan_summary import plan_numbers, summary_text
-    from dcp_load._simulate import Layout, model_metadata, simulate, stage_entries
+    from dcp_load.plan._local import plan_for_rank
+    from dcp_load.plan._plan import HostBlocks
+    from dcp_load.plan._simulate import Layout, model_metadata, simulate, stage_entries
+    from dcp_load.run._plan_summary import plan_numbers, summary_text
 
     tensors, layout = model_metadata("llama-8b"), Layout(2, 2, 2, ranks_per_host=1)
     job = simulate(tensors, layout, time_roles=False)

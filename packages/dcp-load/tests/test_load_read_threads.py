@@ -11,8 +11,8 @@ import dcp_load
 import pytest
 import torch
 from dcp_load import LoadError
-from dcp_load._execute import MAX_READ_THREADS, split_reads
-from dcp_load._plan import ReadItem
+from dcp_load.plan._plan import ReadItem
+from dcp_load.run._execute import MAX_READ_THREADS, split_reads
 from dcp_reader import CheckpointReader
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -126,7 +126,7 @@ def test_a_load_gives_memory_back_at_most_once_per_interval(tmp_path, monkeypatc
     ``malloc_trim(0)``) at the end of a load, at most once per ``TRIM_EVERY_S``."""
     import sys
 
-    import dcp_load._execute as ex
+    import dcp_load.run._execute as ex
 
     if sys.platform.startswith("linux"):
         assert ex._malloc_trim() is not None  # glibc here: the function is found

@@ -10,7 +10,7 @@ import dcp_load
 import pytest
 import torch
 from dcp_load import Chunk, LoadError
-from dcp_load._cli import main as cli
+from dcp_load.cli._main import main as cli
 from safetensors.torch import save_file
 
 
@@ -244,7 +244,7 @@ def test_cli_inspect_into_a_closed_pipe_stops_quietly(tmp_path):
     # ~4000 lines of output: far more than a pipe buffer holds, so the writer meets the closed pipe.
     save_file({f"layer.{i}.weight": np.zeros(2, np.float32) for i in range(2000)},
               str(tmp_path / "model.safetensors"))
-    proc = subprocess.Popen([sys.executable, "-m", "dcp_load._cli", "inspect", "--chunks", str(tmp_path)],
+    proc = subprocess.Popen([sys.executable, "-m", "dcp_load.cli._main", "inspect", "--chunks", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     first = proc.stdout.readline()
     proc.stdout.close()  # what `| head -1` does after its line

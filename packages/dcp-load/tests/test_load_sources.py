@@ -15,7 +15,7 @@ import dcp_load
 import pytest
 import torch
 from dcp_load import Chunk, Concat, LoadError, Slice, Stack
-from dcp_load._sources import SourceMap
+from dcp_load.layouts._sources import SourceMap
 from dcp_reader import open_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,7 +102,7 @@ def test_random_compositions_equal_torch_and_read_each_byte_once(case):
 
 
 def cases_leaves(source):
-    from dcp_load._sources import leaves
+    from dcp_load.layouts._sources import leaves
 
     return leaves(source)
 
@@ -299,10 +299,10 @@ def test_scalars_stack_and_strict_false_skips_destinations_whose_sources_are_mis
 def test_every_rank_plans_from_the_same_virtual_metadata_whatever_it_holds(hf):
     """The virtual tensors come from the checkpoint and ``sources`` alone: a rank holding
     only layer 0 (a pipeline stage) and one holding only layer 1 compare equal digests."""
-    from dcp_load._derived_plan import metadata_digest
-    from dcp_load._sourced_reader import apply_sources
-    from dcp_load._state import Leaf
-    from dcp_load._targets import target_for
+    from dcp_load.layouts._sourced_reader import apply_sources
+    from dcp_load.layouts._state import Leaf
+    from dcp_load.layouts._target_for import target_for
+    from dcp_load.plan._derived import metadata_digest
 
     path, _ = hf
     layout = _layout()

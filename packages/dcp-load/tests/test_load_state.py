@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dcp_load import Chunk
-from dcp_load._state import flatten_state_dict, is_tensor
+from dcp_load.layouts._state import flatten_state_dict, is_tensor
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 
 

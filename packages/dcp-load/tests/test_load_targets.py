@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 from dcp_load import Chunk
-from dcp_load._state import Leaf
-from dcp_load._targets import adapter_for, target_for
+from dcp_load.layouts._state import Leaf
+from dcp_load.layouts._target_for import target_for
+from dcp_load.layouts._targets import adapter_for
 
 
 def _leaf(name, value):
@@ -47,7 +48,7 @@ def test_unsupported_types_say_what_to_do():
 
 
 def test_box_views_and_multi_box_targets():
-    from dcp_load._targets import Box, Target
+    from dcp_load.layouts._targets import Box, Target
 
     local = torch.zeros(4, 3)
     # Local rows 0-1 are global rows 2-3, local rows 2-3 are global rows 6-7 (a strided shard).
@@ -65,7 +66,7 @@ def test_box_views_and_multi_box_targets():
 
 
 def test_runs_compress_index_lists():
-    from dcp_load._targets import _runs
+    from dcp_load.layouts._targets import _runs
 
     assert _runs([0, 1, 2, 4, 5, 7]) == [(0, 3, 0), (4, 2, 3), (7, 1, 5)]
     assert _runs([]) == []
@@ -98,7 +99,7 @@ def test_boxes_partition_the_tensor_as_torch_shards_it():
     import itertools
     import math
 
-    from dcp_load._targets import boxes_at
+    from dcp_load.layouts._targets import boxes_at
     from hypothesis import given, settings
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset

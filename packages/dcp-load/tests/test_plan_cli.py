@@ -12,11 +12,11 @@ import json
 from contextlib import redirect_stdout
 
 import pytest
-from dcp_load import _simulate
-from dcp_load._cli import main
-from dcp_load._plan import build_global_plan
-from dcp_load._plan_cli import StatusLine, histogram
-from dcp_load._simulate import Layout, gathered_wants, model_metadata, simulate
+from dcp_load.cli._main import main
+from dcp_load.cli._plan import StatusLine, histogram
+from dcp_load.plan import _simulate
+from dcp_load.plan._plan import build_global_plan
+from dcp_load.plan._simulate import Layout, gathered_wants, model_metadata, simulate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

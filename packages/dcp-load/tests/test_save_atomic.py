@@ -17,7 +17,7 @@ import dcp_load
 import pytest
 import torch
 from dcp_load import Chunk, LoadError
-from dcp_load._cli import main as cli
+from dcp_load.cli._main import main as cli
 from dcp_reader import METADATA_FILE, NativeWriter, WriterLockError, verify_checkpoint
 
 LOCK = ".dcp-save.lock"
@@ -277,7 +277,7 @@ def test_the_lock_file_follows_the_umask_like_the_data_files(tmp_path):
 
 def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
     # another user's lock file (mode 644 from an earlier save): flock needs no write access
-    import dcp_reader._save_lock as save_lock
+    import dcp_reader.write._save_lock as save_lock
 
     real_open = os.open
 

@@ -9,7 +9,7 @@ import math
 
 import dcp_load
 import torch
-from dcp_load import _stage
+from dcp_load.run import _stage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file

@@ -23,10 +23,10 @@ from dcp_reader import (
     ChunkMeta,
     NativeWriter,
     TensorMeta,
-    _checksum,
     open_checkpoint,
 )
-from dcp_reader._checksum import BLOCK_BYTES, PIECE_BYTES, block_digests
+from dcp_reader.integrity import _checksum
+from dcp_reader.integrity._checksum import BLOCK_BYTES, PIECE_BYTES, block_digests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -180,7 +180,7 @@ def test_a_file_truncated_mid_read_leaves_no_job_running(four_blocks):
 
 
 def test_a_failing_job_is_raised_by_finish_and_the_thread_survives():
-    from dcp_reader._hash_worker import HashWorker
+    from dcp_reader.integrity._hash_worker import HashWorker
 
     w = HashWorker()
     with pytest.raises(ZeroDivisionError):
@@ -193,7 +193,7 @@ def test_a_failing_job_is_raised_by_finish_and_the_thread_survives():
 
 
 def test_finish_runs_jobs_the_thread_has_not_started():
-    from dcp_reader._hash_worker import HashWorker
+    from dcp_reader.integrity._hash_worker import HashWorker
 
     w = HashWorker()
     gate = threading.Event()

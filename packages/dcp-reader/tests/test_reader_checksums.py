@@ -21,7 +21,7 @@ from dcp_reader import (
     TensorMeta,
     open_checkpoint,
 )
-from dcp_reader._checksum import BLOCK_BYTES
+from dcp_reader.integrity._checksum import BLOCK_BYTES
 
 
 def _save(path, t):

@@ -22,7 +22,7 @@ from dcp_reader import (
     open_checkpoint,
     verify_checkpoint,
 )
-from dcp_reader._value_sums import canonical_json, check_value, value_checksum
+from dcp_reader.integrity._value_sums import canonical_json, check_value, value_checksum
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -138,7 +138,7 @@ def test_the_lock_refuses_a_second_holder_and_records_the_last_commit(tmp_path):
 def test_commit_makes_a_new_checkpoint_directory_durable(tmp_path, monkeypatch):
     # the entry of a directory the save created lives in its parent: without an fsync of the
     # parent, a power loss after save returned can take the whole checkpoint directory away
-    import dcp_reader._writer as writer_module
+    import dcp_reader.write._writer as writer_module
 
     synced = []
     real = os.fsync

@@ -1,16 +1,16 @@
 """dcp-load: load distributed checkpoints with resharding, read-once and batched broadcasts."""
 
-from ._convert import ConvertReport, convert
 from ._errors import LoadError
-from ._flat import Flat, flat_views
 from ._load import DEFAULT_BATCH_BYTES, load
-from ._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
-from ._read_state_dict import read_state_dict
-from ._report import LoadReport
-from ._save import SaveReport, save
-from ._sources import Concat, Slice, Stack
-from ._state import Chunk
 from ._version import __version__
+from .conversion._convert import ConvertReport, convert
+from .conversion._read_state_dict import read_state_dict
+from .layouts._flat import Flat, flat_views
+from .layouts._sources import Concat, Slice, Stack
+from .layouts._state import Chunk
+from .plan._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
+from .run._report import LoadReport
+from .saving._save import SaveReport, save
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",

@@ -11,21 +11,22 @@ from typing import Any
 
 from dcp_platform import PeerFailure
 
-from ._aliases import resolve_aliases
-from ._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
-from ._derived_plan import checkpoint_digest, derived_plan, ensure_groups, settings_text
 from ._errors import LoadError, format_ranks
-from ._execute import execute
-from ._flat_target import check_overlaps
-from ._hosts import host_id
-from ._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
-from ._progress import Progress
-from ._report import LoadReport
-from ._shared_open import is_uri, open_shared
-from ._sources import SourceMap
-from ._state import Chunk, Flat, flatten_state_dict, is_tensor, unsupported_values
-from ._targets import Target, in_mesh, target_for
-from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
+from .layouts._aliases import resolve_aliases
+from .layouts._flat_target import check_overlaps
+from .layouts._sources import SourceMap
+from .layouts._state import Chunk, Flat, flatten_state_dict, is_tensor, unsupported_values
+from .layouts._target_for import target_for
+from .layouts._targets import Target, in_mesh
+from .plan._derived import checkpoint_digest, derived_plan, ensure_groups, settings_text
+from .plan._hosts import host_id
+from .plan._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
+from .run._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
+from .run._execute import execute
+from .run._progress import Progress
+from .run._report import LoadReport
+from .run._shared_open import is_uri, open_shared
+from .run._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
 
@@ -318,7 +319,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
         skipped: list[str] = []
         through: list[tuple[str, str]] = []  # skipped by strict=False, filled through a tied key
         if source_map is not None:  # composed destinations become virtual tensors of the reader
-            from ._sourced_reader import apply_sources
+            from .layouts._sourced_reader import apply_sources
 
             applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict,
                                     values=[leaf.name for leaf in prep.values])

@@ -18,13 +18,13 @@ from ._errors import (
 )
 from ._model import SCHEMA_VERSION, CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
 from ._reader import CheckpointReader, open_checkpoint
-from ._save_lock import WriterLock, WriterLockError
-from ._verify import VerifyReport, verify_checkpoint
 from ._version import __version__
-from ._writer import EncodedValues, NativeWriter
 from .formats._detect import detect_format
 from .formats._hyper import is_rank_local
 from .formats._native import METADATA_FILE, chunk_key, data_file_name, stray_files, values_file_name
+from .integrity._verify import VerifyReport, verify_checkpoint
+from .write._save_lock import WriterLock, WriterLockError
+from .write._writer import EncodedValues, NativeWriter
 
 __all__ = [
     "SCHEMA_VERSION",

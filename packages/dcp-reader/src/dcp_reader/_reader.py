@@ -11,7 +11,6 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ._checksum import BlockSums
 from ._dtypes import numpy_dtype, to_safetensors, torch_dtype_name
 from ._errors import (
     CheckpointError,
@@ -22,9 +21,7 @@ from ._errors import (
     clean_text,
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
-from ._hash_worker import HashWorker
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
-from ._value_sums import check_bytes, check_value
 from .formats._detect import detect_format
 from .formats._hf import load_hf
 from .formats._hyper import FORMAT as HYPER_FORMAT
@@ -35,6 +32,9 @@ from .formats._torch_dcp import load_blob, load_torch_dcp
 from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
 from .formats._torch_save_zip import BlobTensor
 from .formats._unpickle import memo_problem
+from .integrity._checksum import BlockSums
+from .integrity._hash_worker import HashWorker
+from .integrity._value_sums import check_bytes, check_value
 from .storage._files import close_fd, fd_size, in_parallel, pread_bytes
 from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
 from .storage._uri import is_uri, real_root

@@ -10,11 +10,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .._checksum import BlockSums, read_verified
 from .._dtypes import _FROM_CODE, itemsize, numpy_bits_dtype, numpy_dtype
 from .._errors import MetadataError, MissingKeyError, TruncatedFileError, summarise
-from .._hash_worker import HashWorker
 from .._json import load_json
+from ..integrity._checksum import BlockSums, read_verified
+from ..integrity._hash_worker import HashWorker
 from ..storage._files import close_fd, fd_size, pread_bytes
 from ..storage._paths import open_regular
 from ..storage._pread import pread_into

@@ -67,7 +67,7 @@ class PosixStorage:
 
     def put(self, name: str, chunks: Sequence[Any]) -> int:
         """tmp + fsync + rename: the file appears whole or not at all."""
-        from .._writer import _atomic_write
+        from ..write._writer import _atomic_write
 
         final = os.path.join(self.root, check_name(name, root=self.root))
         os.makedirs(os.path.dirname(final), exist_ok=True)

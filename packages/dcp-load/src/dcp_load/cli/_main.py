@@ -1,0 +1,176 @@
+"""The ``dcp`` command: ``dcp inspect PATH``, ``dcp verify PATH`` and ``dcp demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..run._units import human_bytes, plural
+
+#: (distribution, import name) of every dcp package, as ``dcp --version`` lists them.
+PACKAGES = (("dcp-load", "dcp_load"), ("dcp-reader", "dcp_reader"), ("dcp-broadcast", "dcp_broadcast"),
+            ("dcp-platform", "dcp_platform"))
+
+
+def versions() -> list[str]:
+    """``"dcp-load 0.4.1"`` per dcp package: the version of the code that would be imported
+    (its ``_version`` module), ``"not installed"`` for a package that cannot be found."""
+    import importlib
+    import importlib.util
+
+    out = []
+    for dist, module in PACKAGES:
+        if importlib.util.find_spec(module) is None:
+            out.append(f"{dist} not installed")
+            continue
+        version = importlib.import_module(f"{module}._version").__version__
+        out.append(f"{dist} {version}")
+    return out
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version of every dcp package and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print("\n".join(versions()))
+        parser.exit()
+
+
+def inspect(path: str, *, chunks: bool, allow_pickle: bool, out=None, rank: int | None = None) -> int:
+    """Print a checkpoint's format, tensors (shape, dtype, chunks, bytes) and values."""
+    from dcp_reader import CheckpointError, open_checkpoint
+
+    out = out or sys.stdout
+    try:
+        reader = open_checkpoint(path, allow_pickle=allow_pickle, rank=rank)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"dcp inspect: {exc}", file=sys.stderr)
+        return 2
+    with reader:
+        meta = reader.metadata
+        total = sum(t.nbytes for t in meta.tensors.values())
+        files = {c.file for t in meta.tensors.values() for c in t.chunks}
+        print(f"{reader.path}: format {meta.format}, {plural(len(meta.tensors), 'tensor')}, "
+              f"{plural(len(meta.values), 'value')}, {human_bytes(total)} in {plural(len(files), 'data file')}",
+              file=out)
+        width = max([4, *(len(n) for n in meta.tensors), *(len(n) for n in meta.values)])
+        print(f"{'name':<{width}}  {'shape':<18} {'dtype':<14} {'chunks':>6} {'bytes':>10}", file=out)
+        for name in sorted(meta.tensors):
+            t = meta.tensors[name]
+            shape = "(" + ", ".join(map(str, t.shape)) + ("," if len(t.shape) == 1 else "") + ")"
+            print(f"{name:<{width}}  {shape:<18} {t.dtype:<14} {len(t.chunks):>6} {human_bytes(t.nbytes):>10}", file=out)
+            if chunks:
+                for c in t.chunks:
+                    print(f"{'':<{width}}    offsets={c.offsets} sizes={c.sizes} {c.file}:{c.key}", file=out)
+        for name in sorted(meta.values):
+            print(f"{name:<{width}}  value {_shown_value(reader, name, allow_pickle)}", file=out)
+    return 0
+
+
+def _shown_value(reader, name: str, allow_pickle: bool, limit: int = 60) -> str:
+    """A value's repr (read from its file when it has one), cut to ``limit`` characters.
+    A value in a file is read as ``load`` reads it: without ``allow_pickle`` only what needs
+    no code from the checkpoint (inline JSON; torch DCP values that
+    ``torch.load(weights_only=True)`` accepts), so "pickled" marks exactly the values that
+    need ``--allow-pickle`` (and ``allow_pickle=True`` in ``load``)."""
+    from dcp_reader import CheckpointError, UnsafePickleError
+
+    v = reader.metadata.values[name]
+    if v.file is None:
+        shown = repr(v.value)
+    else:
+        try:
+            shown = repr(reader.read_value(name))
+        except UnsafePickleError:
+            return f"(pickled in {v.file}; --allow-pickle shows it, for checkpoints you trust)"
+        except (CheckpointError, OSError, ValueError) as exc:
+            return f"(unreadable from {v.file}: {type(exc).__name__}: {exc})"
+    return shown if len(shown) <= limit else shown[:limit - 3] + "..."
+
+
+def verify(path: str, *, out=None) -> int:
+    """Check a whole checkpoint (structure, sizes, coverage, block and value checksums): exit status 0
+    when it is good, 1 when problems were found (one line each), 2 when it cannot be read."""
+    from dcp_reader import CheckpointError, verify_checkpoint
+
+    out = out or sys.stdout
+    try:
+        report = verify_checkpoint(path)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"dcp verify: unreadable: {exc}", file=sys.stderr)
+        return 2
+    for problem in report.problems:
+        print(f"PROBLEM {problem}", file=out)
+    checked = (f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
+               if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
+    status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+    values = (f", {report.values} values ({report.values_with_checksums} with checksums)"
+              if report.values else "")
+    print(f"{report.path}: {status}: format {report.format}, {report.tensors} tensors, {report.chunks} chunks "
+          f"({checked}){values} in {report.seconds:.2f} s", file=out)
+    return 0 if report.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp", description="Inspect and verify distributed checkpoints; run the demo.")
+    parser.add_argument("--version", action=_Version)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
+    p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors, torch DCP or "
+                   "hyper-parallel)")
+    p.add_argument("--chunks", action="store_true", help="also list every saved chunk")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="also show values that only unpickling can read, which runs code from the "
+                   "checkpoint (only for checkpoints you trust); values that need no code are always shown")
+    p.add_argument("--rank", type=int, help="the rank's metadata to show where each rank saved its own "
+                   "(a hyper-parallel save without collectives: {rank}.metadata)")
+    from ._plan import add_parser as add_plan
+
+    add_plan(sub)
+    from ._convert import add_parser as add_convert
+
+    add_convert(sub)
+    v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage, block and value checksums "
+                                      "(exit 0 ok, 1 problems found, 2 unreadable)")
+    v.add_argument("path", help="checkpoint directory")
+    d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
+    d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
+    d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            code = inspect(args.path, chunks=args.chunks, allow_pickle=args.allow_pickle, rank=args.rank)
+        elif args.command == "verify":
+            code = verify(args.path)
+        elif args.command == "convert":
+            from ._convert import run as convert_run
+
+            code = convert_run(args)
+        elif args.command == "plan":
+            from ._plan import run as plan_run
+
+            code = plan_run(args)
+        else:
+            from ..demo import main as demo_main
+
+            extra = ["--keep", args.keep] if args.keep else []
+            if args.batch_bytes is not None:
+                extra += ["--batch-bytes", str(args.batch_bytes)]
+            code = demo_main(extra)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+    except BrokenPipeError:
+        # The reader went away (`dcp inspect ... | head`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null so that the interpreter's final flush cannot
+        # raise again; 141 is what a shell reports for a command ended by SIGPIPE.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

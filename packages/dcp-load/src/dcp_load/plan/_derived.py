@@ -1,0 +1,140 @@
+"""The derived branch of ``load``: plan from the mesh, agree by digest, no gathered wants.
+
+``derived_plan`` is called by every rank of a collective load. It derives every entry's
+holders (``_derive``); when every rank of the job can, and the digest exchange
+(``_digest.agree``) finds that they planned from the same metadata, settings and state
+dict layout, it returns this rank's own plan (``_local_plan``). It returns None when any
+rank cannot derive (chunk annotations, MindSpore, other placements, a custom planner) or
+already failed: ``load`` then gathers the wants as before, and reports errors there.
+A layout mismatch raises ``LoadError`` on every rank, naming the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._derive import Derived, derive_entry
+from ._digest import agree, digest, gather_hosts, local_world_size
+from ._hosts import host_id
+from ._items import GlobalPlan, HostBlocks, Want
+from ._local import plan_for_rank
+
+__all__ = ["checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest", "settings_text"]
+
+logger = logging.getLogger(__name__)
+
+
+def metadata_digest(tensors: Mapping[str, Any], *, values: Mapping[str, Any] | None = None,
+                    name: str | None = None) -> int:
+    """A hash of the checkpoint as ranks must share it: what planning reads from the
+    metadata (names, shapes, dtypes, chunks and their files; for a chunk composed by
+    ``sources=``, the saved chunk it reads), the chunks' and values' checksums (two saves of one layout differ there), and ``name``, the checkpoint
+    directory's last path component (two checkpoints without checksums, such as Hugging
+    Face files of one model at two steps, differ there; the rest of the path may differ
+    between nodes that mount one checkpoint at different places)."""
+    return digest(name, *[(n, tuple(t.shape), t.dtype,
+                           tuple((tuple(c.offsets), tuple(c.sizes), str(c.file), c.checksum,
+                                  *getattr(c, "origin", ())) for c in t.chunks))
+                          for n, t in sorted(tensors.items())],
+                  *[(n, getattr(v, "checksum", None)) for n, v in sorted((values or {}).items())])
+
+
+def settings_text(settings: tuple[Any, ...]) -> str:
+    """The broadcast settings ``_load`` compares, as a person reads them (in mismatch errors)."""
+    return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
+
+
+def checkpoint_digest(reader: Any) -> int:
+    """``metadata_digest`` of an open ``dcp_reader.CheckpointReader``."""
+    import os
+
+    path = getattr(reader, "path", None)
+    name = os.path.basename(os.path.normpath(os.path.realpath(path))) if path else None
+    return metadata_digest(reader.metadata.tensors, values=reader.metadata.values, name=name)
+
+
+def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
+             shapes: Mapping[str, tuple[int, ...]]) -> list[Derived] | None:
+    out = []
+    meshes: dict[int, Any] = {}
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+    for name, offsets, sizes, _, _ in wants:  # a _StridedShard's rows may make several boxes
+        boxes.setdefault(name, []).append((offsets, sizes))
+    for name, _, _, flags, dtype in wants:
+        own = boxes.pop(name, None)
+        if own is None:
+            continue
+        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, own, rank, meshes)
+        if entry is None:
+            return None
+        out.append(entry)
+    return out
+
+
+def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
+                 failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
+                 custom_planner: bool, watch: Any = None, meta_hash: int | None = None) -> GlobalPlan | None:
+    """This rank's plan, or None for the gathered path (module docstring).
+
+    ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
+    dict value of each name; ``settings``: what shapes the collectives (compared by hash);
+    ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
+    ``meta_hash``: the checkpoint's ``checkpoint_digest`` (default: ``metadata_digest`` of
+    ``tensors``).
+    """
+    start = time.perf_counter()
+    rank, world = platform.rank(), platform.world_size()
+    entries, given, meta_hash = None, meta_hash, 0
+    if not failed and not custom_planner:
+        try:
+            shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
+            entries = _entries(wants, values, rank, world, shapes)
+            meta_hash = metadata_digest(tensors) if given is None else given
+        except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
+            logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
+            entries = None
+    local_world = local_world_size() if broadcast else 0
+    host = host_id() if broadcast else ""
+    equal = [(meta_hash, "the checkpoint metadata differs from "
+              "other ranks' (open the same checkpoint, with the same sources=, on every rank)"),
+             (digest(settings, custom_planner), f"{settings_text(settings)}: every rank must pass "
+              "the same broadcast settings"),
+             (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
+              "must see the same")]
+    decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
+                    entries=entries or [], host=host, local_world=local_world, watch=watch)
+    if not decided.derived:
+        logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
+        return None
+    assert entries is not None
+    hosts: Sequence[Any] | None = None
+    if broadcast:
+        hosts = (HostBlocks(world, local_world) if decided.hosts_derived
+                 else gather_hosts(platform, host, watch))
+    plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
+                         same_host_reads=same_host_reads)
+    logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,
+                 len(entries), time.perf_counter() - start, len(plan.broadcasts),
+                 "derived" if decided.hosts_derived else "gathered" if broadcast else "unused")
+    return plan
+
+
+def ensure_groups(platform: Any, plan: GlobalPlan, groups: Any, watch: Any = None) -> tuple[Any, bool]:
+    """A group manager holding every group this rank's broadcasts need (``own=True``: each
+    rank knows only its own broadcasts; the members of each group make it alone where the
+    platform can, else the sets are gathered). Returns (manager, whether the caller must
+    close it)."""
+    from dcp_broadcast import GroupManager
+
+    manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
+    try:
+        manager.ensure({i.ranks for i in plan.broadcasts if len(i.ranks) > 1}, own=True)
+    except BaseException:
+        if manager is not groups:  # groups made before the failure would leak
+            manager.close(wait_for_peers=False, raise_errors=False)
+        raise
+    return manager, manager is not groups

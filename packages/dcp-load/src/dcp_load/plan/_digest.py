@@ -1,0 +1,322 @@
+"""Agreeing on a derived plan with a fixed-size digest instead of gathering wants.
+
+Each rank sends two all-reduces of a few int64 lanes, whatever the number of tensors or
+ranks (``LANES_BYTES``):
+
+* MAX over ``[e..., -e..., -derivable, error]``: ``e`` are hashes every rank must share
+  (checkpoint metadata, settings, how hosts are known), so max == min means they agree;
+  ``-derivable`` gives the minimum of the derivable flags (all-or-nothing), ``error``
+  whether any rank already failed.
+* SUM of two hashes (mod the prime 2**61 - 1, each sent as two 31-bit halves so that the
+  int64 sum cannot overflow below 2**32 ranks):
+  - *holders*: each rank adds ``H(e) * g(rank)`` for every entry ``e`` it holds, and the
+    lowest holder of ``e`` subtracts ``H(e) * sum(g(m) for m in e's holders)``. The sum is
+    zero exactly when every rank that holds an entry holds it with the same spec (name,
+    shape, dtype, flags, mesh, placements) and every rank the spec names holds it (up to a
+    hash collision, about 2**-61).
+  - *hosts*: with ``$LOCAL_WORLD_SIZE`` (torchrun), rank ``r`` is taken to run on node
+    ``r // LOCAL_WORLD_SIZE``; each rank adds ``h(host_id) * g(node)`` and the node's first
+    rank subtracts the node's share: zero when every node's ranks report one host.
+
+A name held on two meshes that do not know each other (a tied embedding on the first and
+last pipeline stages) passes both checks, since each mesh is consistent in itself: so one
+holder of each (name, layout), chosen by the name's hash, counts it in the job's store
+(``TCPStore.add`` under a key shared through the first all-reduce), and a third
+all-reduce (MAX of "a name was counted twice") sends such a job to the gathered path;
+after it each leader deletes its keys. Layouts held by every rank are not counted. The
+store traffic per rank is the names it leads, each added and deleted: about tensors /
+holders per mesh, for names not held by the whole world.
+
+With a ``watch`` (``dcp_platform.Watch``), every all-reduce and gather here waits in
+slices bounded by it: a rank that died makes the others raise ``PeerFailure``.
+
+Only on a mismatch do ranks gather details (to name the ranks that differ, in a
+``LoadError`` raised on every rank), and only when hosts cannot be derived do they gather
+host ids (one short string each).
+
+Control traffic never touches device memory: when the default process group is not gloo
+(NCCL, HCCL), a gloo group over the world is created once per default group and kept for
+later loads (``control_group``); creating it is a collective every rank makes in the same
+load call, decided by the backend name all ranks share.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import secrets
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import LoadError
+from ._derive import Derived
+
+__all__ = ["LANES_BYTES", "Agreement", "agree", "control_group", "gather_hosts"]
+
+logger = logging.getLogger(__name__)
+
+PRIME = (1 << 61) - 1
+_HALF = 31
+_EQUAL = 3  # metadata, settings, host mode
+#: bytes each rank sends for the digest: 2 * 3 + 2 equal/flag lanes, 4 sum lanes
+LANES_BYTES = 8 * (2 * _EQUAL + 3) + 8 * 4 + 8
+
+#: default process group -> its gloo twin; kept for the process's life like the group it
+#: mirrors (creating one is a collective, so it is not repeated per load).
+_GLOO_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def digest(*parts: Any) -> int:
+    """A 61-bit hash of ``parts``' repr (stable across processes, unlike ``hash``)."""
+    raw = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") % PRIME
+
+
+def _mix(values: Any) -> Any:
+    """splitmix64 of each value, cut to 40 bits (numpy: vectorised over a mesh)."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) & np.uint64((1 << 40) - 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mass(ranks: tuple[int, ...]) -> int:
+    return int(_mix(ranks).astype("int64").sum()) % PRIME
+
+
+def _g(rank: int) -> int:
+    return int(_mix([rank])[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_hash(layout: tuple[Any, ...]) -> int:
+    return digest(layout)  # a mesh's rank list is long: hashed once per layout
+
+
+def _entry_hash(name: str, shape: tuple[int, ...], dtype: str, flags: int, layout: tuple[Any, ...]) -> int:
+    return digest(name, shape, dtype, flags, _layout_hash(layout))
+
+
+def holder_lane(entries: Sequence[Derived], rank: int) -> int:
+    """This rank's share of the holders check (see module docstring)."""
+    total, mine = 0, _g(rank)
+    for e in entries:
+        h = _entry_hash(e.name, e.shape, e.dtype, e.flags, e.layout)
+        total += h * mine
+        if e.holders and e.holders[0] == rank:
+            total -= h * _mass(e.holders)
+    return total % PRIME
+
+
+def host_lane(host: str, rank: int, world: int, local_world: int) -> int:
+    """This rank's share of the hosts check for node = rank // local_world."""
+    node = rank // local_world
+    h = digest(host) * _g(node)
+    if rank % local_world == 0:
+        h -= min(local_world, world - node * local_world) * digest(host) * _g(node)
+    return h % PRIME
+
+
+def _split(v: int) -> list[int]:
+    return [v >> _HALF, v & ((1 << _HALF) - 1)]
+
+
+def _join(hi: int, lo: int) -> int:
+    return ((hi << _HALF) + lo) % PRIME
+
+
+# -- the control channel ---------------------------------------------------------------
+def control_group(platform: Any) -> Any:
+    """The CPU group control traffic uses: None (the default group) when it is gloo, else a
+    gloo group over the world, created once per default group."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend()):
+        return None
+    world = dist.group.WORLD
+    cached = _GLOO_GROUPS.get(id(world))
+    if cached is None or cached[0] is not world:
+        logger.debug("creating a gloo group for control traffic beside the %s default group", dist.get_backend())
+        cached = _GLOO_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
+    return cached[1]
+
+
+def _torch(platform: Any) -> bool:
+    return getattr(platform, "name", "") in ("torch", "ascend")
+
+
+def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> list[int]:
+    """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU; with ``watch``
+    (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died)."""
+    if _torch(platform):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(list(lanes), dtype=torch.int64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                               group=control_group(platform), async_op=True)
+        if watch is not None:
+            watch.wait(work)
+        else:
+            work.wait()
+        return [int(v) for v in t.tolist()]
+    # Other platforms gather (each rank still sends only its lanes) and reduce here.
+    gathered = gather(platform, list(lanes), watch)
+    reduce = max if op == "max" else sum
+    return [reduce(col) for col in zip(*gathered, strict=True)]
+
+
+def gather(platform: Any, obj: Any, watch: Any = None) -> list[Any]:
+    """All-gather a small object over a CPU group: with ``watch``, the platform's bounded
+    all-gather (over its own host-memory control group), else this module's control group."""
+    if watch is not None:
+        return watch.gather(obj)
+    if _torch(platform):
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=control_group(platform))
+        return out
+    return platform.all_gather_object(obj)
+
+
+def gather_hosts(platform: Any, host: str, watch: Any = None) -> list[str]:
+    """Every rank's host id (the fallback when hosts cannot be derived)."""
+    return [str(h) for h in gather(platform, host, watch)]
+
+
+def local_world_size() -> int:
+    """``$LOCAL_WORLD_SIZE`` when hosts can be derived from it (no ``$DCP_HOST_ID``), else 0."""
+    from ._hosts import HOST_ID_ENV
+
+    if os.environ.get(HOST_ID_ENV):
+        return 0
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return 0
+    return max(n, 0)
+
+
+# -- the agreement ---------------------------------------------------------------------
+class Agreement:
+    """What the digest exchange decided: plan derived (every rank can) or gathered, and
+    whether the hosts derived from ``$LOCAL_WORLD_SIZE`` hold (else gather host ids)."""
+
+    def __init__(self, derived: bool, hosts_derived: bool):
+        self.derived, self.hosts_derived = derived, hosts_derived
+
+
+def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, failed: bool,
+          entries: Sequence[Derived], host: str, local_world: int, watch: Any = None) -> Agreement:
+    """The digest exchange (module docstring); raises ``LoadError`` on every rank when
+    derivable ranks disagree. ``equal``: (hash, what it stands for, shown on a mismatch)
+    for metadata, settings and host mode, which every rank must share. ``watch``: bounds
+    every wait (a dead rank raises ``PeerFailure`` on the others)."""
+    rank, world = platform.rank(), platform.world_size()
+    shown = [text for _, text in equal]
+    equal = [int(v) % PRIME for v, _ in equal]
+    nonce = secrets.randbelow(PRIME)
+    top = all_reduce(platform, [*equal, *(-v for v in equal), -int(derivable), int(failed), nonce], "max", watch)
+    n = len(equal)
+    same = all(top[i] == -top[n + i] for i in range(n))
+    if top[2 * n + 1] or top[2 * n] != -1:  # a rank failed or cannot derive: the gathered path
+        return Agreement(False, False)
+    keys = _count_names(entries, rank, world, top[2 * n + 2]) if same else []
+    try:
+        holders = holder_lane(entries, rank)
+        hosts = host_lane(host, rank, world, local_world) if local_world else 0
+        sums = all_reduce(platform, [*_split(holders), *_split(hosts)], "sum", watch)  # also: every count is in
+        if not same or _join(sums[0], sums[1]) != 0:
+            raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries, watch),
+                            "validate")
+        # Every rank reads its counts before it joins this all-reduce: after it, none reads.
+        twice = all_reduce(platform, [_twice(keys)], "max", watch)[0]
+    finally:
+        _forget(keys)
+    if twice:
+        logger.debug("rank %d: a tensor is held on two meshes (tied weights); gathering wants", rank)
+        return Agreement(False, False)
+    return Agreement(True, local_world > 0 and _join(sums[2], sums[3]) == 0)
+
+
+def _store() -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def _count_names(entries: Sequence[Derived], rank: int, world: int, nonce: int) -> list[str]:
+    """Count, in the store, every (name, layout) this rank leads; returns the keys.
+
+    A layout held by every rank (plain tensors, world-replicated DTensors) is not counted:
+    a second layout of its name would need ranks outside the world (a rank holds one entry
+    per name, and the holders check already fails when ranks disagree on its layout)."""
+    store, keys = _store(), []
+    for e in entries:
+        if len(e.holders) < world and e.holders and e.holders[digest(e.name) % len(e.holders)] == rank:
+            key = f"dcp_load/{nonce:x}/{digest(e.name):x}"
+            store.add(key, 1)
+            keys.append(key)
+    return keys
+
+
+def _twice(keys: Sequence[str]) -> int:
+    """1 when a name this rank counted was counted by another layout too."""
+    store = _store()
+    return int(any(store.add(key, 0) > 1 for key in keys))
+
+
+def _forget(keys: Sequence[str]) -> None:
+    """Remove this rank's counts from the store (two leaders of one name both try: fine)."""
+    if not keys:
+        return
+    store = _store()
+    for key in keys:
+        try:
+            store.delete_key(key)
+        except Exception as exc:  # noqa: BLE001 - a leftover key is harmless (unique per load): log it
+            logger.debug("could not remove %s from the store: %r", key, exc)
+
+
+def _summary(e: Derived) -> tuple[Any, ...]:
+    return (e.shape, e.dtype, e.flags, _layout_hash(e.layout))
+
+
+def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Sequence[Derived],
+                 watch: Any = None) -> dict[int, list[str]]:
+    """Gather every rank's digest and entries (only after a mismatch) and name who differs."""
+    details = gather(platform, (list(equal), {e.name: (_summary(e), e.holders) for e in entries}), watch)
+    out: dict[int, list[str]] = {}
+    for i in range(len(equal)):
+        if len({d[0][i][0] for d in details}) > 1:  # every rank shows its value: who differs is a majority call
+            for r, d in enumerate(details):
+                out.setdefault(r, []).append(d[0][i][1])
+    names = sorted({name for _, held in details for name in held})
+    for name in names:
+        claims = {r: held[name] for r, (_, held) in enumerate(details) if name in held}
+        (spec, holders), _ = Counter(claims.values()).most_common(1)[0]
+        for r, claim in claims.items():
+            if claim != (spec, holders):
+                out.setdefault(r, []).append(f"entry {name!r} differs from other ranks' (shape, dtype, "
+                                             "device, mesh or placements)")
+            elif r not in holders:
+                out.setdefault(r, []).append(f"holds {name!r}, which its mesh does not place on this rank")
+        lacking = [r for r in holders if r not in claims]
+        if lacking and len(lacking) > len(claims):  # a few ranks hold what most of its holders lack
+            for r in claims:
+                out.setdefault(r, []).append(f"holds {name!r}, which {len(lacking)} of the {len(holders)} "
+                                             "ranks its layout places it on lack")
+        for r in lacking if len(lacking) <= len(claims) else ():
+            out.setdefault(r, []).append(f"lacks {name!r}, which other ranks' mesh places on it")
+    if not out:  # a hash collision cannot explain a mismatch the details do not show
+        out = {r: ["the plan digests differ"] for r in range(len(details))}
+    for causes in out.values():
+        causes.append("every rank must pass the same state dict layout (see README, derived planning)")
+    return out

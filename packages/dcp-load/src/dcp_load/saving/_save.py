@@ -1,0 +1,339 @@
+"""``save``: write a state dict in the native format, each replicated box once.
+
+Call order (every rank): rank 0 takes the directory's single-writer lock and serialises
+the non-tensor values (a second writer, a directory holding another format's checkpoint,
+or a value that cannot be stored, is refused here); all ranks all-gather what they hold
+(names, boxes, dtypes, global shapes: small tuples), rank 0's new save id and the
+directory each rank resolved (they must agree); every rank derives the same layout (one writer per
+distinct box, balanced by bytes with the load planner's greedy rule) and checks it tiles
+every tensor. Nothing is written before all of this passed on every rank.
+
+Each writer then writes one data file named with the save id, beside whatever the directory
+holds; after an exchange that shows every rank finished, rank 0 replaces the metadata in
+one rename (the commit), removes the files the new metadata does not name (an earlier
+save's, a killed save's temporary files), and releases the lock; a final exchange returns
+its outcome to everyone. A save that fails or is killed before the commit leaves the
+previous checkpoint whole and loadable (its metadata names only its own files); after it,
+the new one. Every wait is bounded by a ``Coordinator`` (``dcp-save/<n>``): arrival within
+``timeout``, and each exchange aborted once a rank published a failure or stopped beating.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import LoadError
+from .._load import resolve_platform
+from ..layouts._flat_target import check_overlaps
+from ..layouts._state import flatten_state_dict, is_tensor
+from ..layouts._target_for import target_for
+from ..layouts._targets import in_mesh
+from ..plan._items import GreedyPlanner, ReadItem
+from ..run._coordinate import Coordinator, timeout_seconds
+from ..run._shared_open import is_uri
+from ..run._validate import check_launch, exchange, summarise
+
+__all__ = ["SaveReport", "save"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """One rank's account of a ``save``: what it wrote and how long it took."""
+
+    rank: int
+    world_size: int
+    path: str
+    tensors: int
+    chunks_written: int
+    bytes_written: int
+    job_bytes: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if self.bytes_written < 0 or self.chunks_written < 0:
+            raise ValueError("SaveReport counts must be >= 0")
+
+
+def _layout(gathered: list[Any], save_id: str) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
+    """(tensor metadata by name, items each rank writes, errors by offending rank) from
+    every rank's holdings (the same on every rank)."""
+    from dcp_reader import ChunkMeta, TensorMeta, chunk_key, data_file_name
+
+    errors: dict[int, list[str]] = {}
+    info: dict[str, tuple[tuple[int, ...], str]] = {}
+    boxes: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for rank, (holdings, *_) in enumerate(gathered):
+        for name, offsets, sizes, dtype, shape in holdings:
+            seen = info.setdefault(name, (shape, dtype))
+            if seen != (shape, dtype):
+                errors.setdefault(rank, []).append(
+                    f"{name!r}: this rank holds global shape {shape} {dtype}, a lower rank {seen[0]} {seen[1]}; "
+                    "every rank must agree on a tensor's global shape and dtype")
+                continue
+            if offsets is not None:
+                boxes.setdefault((name, offsets, sizes), []).append(rank)
+    itemsize = {n: TensorMeta(n, shape, dtype, ()).itemsize for n, (shape, dtype) in info.items()}
+    items = [ReadItem(n, 0, o, s, _numel(s) * itemsize[n], tuple(r)) for (n, o, s), r in boxes.items()]
+    items.sort(key=lambda i: (-i.nbytes, i.name, i.offsets))
+    writers = GreedyPlanner().assign(items, [0] * len(gathered))
+    per_rank: dict[int, list[ReadItem]] = {}
+    chunks: dict[str, list[Any]] = {}
+    for item, w in zip(items, writers, strict=True):
+        per_rank.setdefault(w, []).append(item)
+        chunks.setdefault(item.name, []).append(
+            ChunkMeta(item.offsets, item.sizes, data_file_name(w, save_id), chunk_key(item.name, item.offsets)))
+    tensors = {}
+    for name, (shape, dtype) in info.items():  # a name no rank holds a box of has no chunk: a gap
+        tensors[name] = TensorMeta(name, shape, dtype, tuple(sorted(chunks.get(name, ()), key=lambda c: c.offsets)))
+    return tensors, per_rank, errors
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def save(
+    state_dict: Mapping[Any, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    no_dist: bool = False,
+    allow_pickle: bool = False,
+    platform: Any = None,
+    timeout: Any = None,
+) -> SaveReport:
+    """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format.
+
+    Call on every rank. Holds the same entries ``load`` takes (DTensors, plain tensors,
+    ``Chunk``, nested dicts and lists, non-tensor values). Boxes held identically by
+    several ranks are written once, by the holder with the fewest bytes so far. Non-tensor
+    values are taken from rank 0; values that are not JSON need ``allow_pickle=True``.
+    A failure on any rank raises ``LoadError`` (phase ``"save"``) on every rank.
+
+    ``timeout`` (a ``timedelta`` or seconds; default: the default process group's timeout,
+    else 10 minutes): how long ranks that entered ``save`` wait for the others. Every exchange of the save is bounded as in
+    ``load``: a rank that fails, dies or never arrives makes the others raise ``LoadError``
+    naming it (within about 15 s for a dead rank) instead of waiting in the next exchange.
+    """
+    if checkpoint_id is None:
+        raise ValueError("save: checkpoint_id= (the directory to write) is required")
+    if timeout is not None:
+        timeout_seconds(timeout, "save")  # refuse a bad value before anything else
+    start = time.perf_counter()
+    path = os.fspath(checkpoint_id)
+    path = path if is_uri(path) else os.path.abspath(path)  # s3://bucket/prefix: an object store
+    leaves = flatten_state_dict(state_dict)
+    platform = resolve_platform(platform, leaves)
+    wait_s = timeout_seconds(timeout, "save", platform)
+    check_launch(platform, no_dist, "save")
+    collective = not no_dist and platform.is_distributed()
+    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
+        coord.arrive()
+        return _save(coord, platform, collective, leaves, path, allow_pickle, start, no_dist)
+
+
+def _hold(leaves: list[Any], errors: list[str]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """(this rank's holdings, targets by name, non-tensor values); errors are recorded."""
+    holdings: list[tuple[Any, ...]] = []
+    targets: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    try:
+        for leaf in leaves:
+            if is_tensor(leaf.value):
+                if not in_mesh(leaf.value):
+                    continue  # this rank holds no part of it; the mesh's ranks write it
+                t = target_for(leaf)
+                targets[t.name] = t
+                holdings.extend((t.name, b.offsets, b.sizes, t.dtype, t.global_shape) for b in t.boxes)
+                if not t.boxes:  # an empty Flat interval still names its tensor (``_layout``)
+                    holdings.append((t.name, None, None, t.dtype, t.global_shape))
+            else:
+                values[leaf.name] = leaf.value
+        errors.extend(check_overlaps(list(targets.values())))  # a Flat sharing bytes with another entry
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return holdings, targets, values
+
+
+def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
+          allow_pickle: bool, start: float, no_dist: bool) -> SaveReport:
+    """``save`` once every rank arrived; every exchange is bounded by ``coord``."""
+    from dcp_reader import CheckpointMetadata, NativeWriter
+
+    rank = platform.rank()
+    world = platform.world_size() if collective else 1
+    me = rank if collective else 0
+    errors: list[str] = []
+    writer = lock = encoded = save_id = None
+    try:
+        writer = NativeWriter(path, allow_pickle=allow_pickle)
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"{type(exc).__name__}: {exc}")
+    holdings, targets, values = _hold(leaves, errors)
+    try:
+        if me == 0 and writer is not None:
+            lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
+        gathered = coord.exchange(exchange, errors, "save", collective=collective,
+                                  payload=(holdings, sorted(values), save_id, path))
+        save_id = gathered[0][2]  # rank 0's: every rank names the files alike
+        tensors, per_rank, failures = _layout(gathered, save_id)
+        for r, g in enumerate(gathered):
+            if g[3] != gathered[0][3]:  # a relative checkpoint_id from another working directory, say
+                failures.setdefault(r, []).append(
+                    f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
+                    "directory (an absolute path; a relative one depends on each process's working directory)")
+        missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
+        if missing_values:
+            failures.setdefault(0, []).append(
+                f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
+                "rank 0 writes the values, so it must hold all of them")
+        try:
+            CheckpointMetadata(tensors=tensors, values={}, format="native")
+        except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
+            failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
+                                              f"{type(exc).__name__}: {exc}")
+        if failures:
+            raise LoadError(failures, "save")
+        written, nbytes, value_meta = _write(writer, me, per_rank.get(me, []), targets, encoded, save_id,
+                                             errors, coord, collective)
+        if me == 0:
+            _commit(writer, lock, CheckpointMetadata(tensors=tensors, values=value_meta, format="native"), errors)
+        coord.check(errors, "save", collective=collective)
+    finally:
+        if lock is not None:
+            lock.release()
+    seconds = time.perf_counter() - start
+    logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", rank, written, nbytes, path, seconds)
+    return SaveReport(rank=rank, world_size=world, path=path, tensors=len(tensors), chunks_written=written,
+                      bytes_written=nbytes, job_bytes=sum(t.nbytes for t in tensors.values()), seconds=seconds)
+
+
+def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[str]) -> tuple[Any, Any, str]:
+    """Rank 0, before anything is written: (the directory's write lock, the serialised
+    values, a new save id); every refusal is recorded in ``errors``."""
+    from dcp_reader import WriterLockError
+
+    lock = encoded = None
+    try:
+        encoded = writer.encode_values(values)
+    except (TypeError, ValueError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    note = _launch_note(no_dist)
+    foreign = _other_format(writer.path)
+    if foreign:
+        errors.append(foreign)
+        return None, encoded, _new_save_id(writer.path)
+    try:
+        lock = writer.lock(note)
+    except (WriterLockError, OSError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    else:
+        errors.extend(_same_launch(lock.previous, note, writer.path))
+    return lock, encoded, _new_save_id(writer.path)
+
+
+def _other_format(path: str) -> str | None:
+    """The refusal when ``path`` holds a checkpoint of another format: a native one beside
+    it would hide it from ``load`` (the native metadata is detected first), and a killed
+    save's data files can make it undetectable."""
+    from dcp_reader import CheckpointError, detect_format
+
+    try:
+        fmt = detect_format(path)
+    except CheckpointError:
+        return None  # no checkpoint, or an unfinished native save: nothing to hide
+    if fmt == "native":
+        return None
+    return (f"{path} holds a {fmt} checkpoint: a native checkpoint saved into the same directory would hide "
+            "it from load (dcp-metadata.json is detected first). Save into another directory (for example "
+            "a subdirectory), or move that checkpoint away first")
+
+
+def _new_save_id(path: str) -> str:
+    """12 random hex digits that no file in ``path`` carries (a collision is ~2**-48 a save)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        names = []
+    while True:
+        save_id = secrets.token_hex(6)
+        if not any(save_id in n for n in names):
+            return save_id
+
+
+def _launch_note(no_dist: bool) -> dict[str, Any]:
+    """What the write lock records about this writer: under a launcher with ``no_dist``,
+    which launch and which of its ranks (to refuse a sibling rank's save afterwards)."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if not (no_dist and world.isdigit() and int(world) > 1):
+        return {}
+    launch = [os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")]
+    return {"launch": launch, "launch_rank": os.environ.get("RANK")}
+
+
+def _same_launch(previous: Any, note: dict[str, Any], path: str) -> list[str]:
+    """The refusal when another rank of this launch saved into ``path`` with ``no_dist``:
+    each process saves as rank 0 of 1, so this save would replace that rank's tensors."""
+    if not note or not isinstance(previous, dict) or previous.get("launch") != note["launch"]:
+        return []
+    if previous.get("launch_rank") == note["launch_rank"]:
+        return []  # the same rank saving again: an ordinary overwrite
+    return [f"{path} was saved by rank {previous.get('launch_rank')} of this launch (pid {previous.get('pid')} on "
+            f"{previous.get('host')!r}) with no_dist=True, and this is rank {note['launch_rank']}: with no_dist=True "
+            "every process saves as rank 0 of 1, so this save would replace the other rank's tensors. Give each "
+            f"rank a checkpoint_id of its own (for example f\"{{path}}/rank-{{os.environ['RANK']}}\"), or call "
+            "torch.distributed.init_process_group before save so that the ranks save one checkpoint together"]
+
+
+def _write(writer: Any, me: int, mine: list[ReadItem], targets: dict[str, Any], encoded: Any, save_id: str,
+           errors: list[str], coord: Coordinator, collective: bool) -> tuple[int, int, dict[str, Any]]:
+    """This rank's data file (and rank 0's values), then the check that every rank wrote
+    its own; on a failure anywhere, this rank's new files are removed before raising (the
+    committed checkpoint never names them). Returns (chunks, bytes, value metadata)."""
+    from dcp_reader import chunk_key, data_file_name, values_file_name
+
+    files: list[str] = []
+    written = nbytes = 0
+    value_meta: dict[str, Any] = {}
+    try:
+        try:
+            if mine:
+                data = {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in mine}
+                files.append(data_file_name(me, save_id))
+                writer.write_file(files[-1], data)
+                written, nbytes = len(mine), sum(i.nbytes for i in mine)
+            if me == 0:
+                files.append(values_file_name(save_id))
+                value_meta = writer.write_values(encoded, file_name=files[-1])
+        except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+            errors.append(f"{type(exc).__name__}: {exc}")
+        coord.check(errors, "save", collective=collective)
+    except BaseException:
+        writer.discard(files)
+        raise
+    return written, nbytes, value_meta
+
+
+def _commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
+    """Rank 0: switch the directory to the new files (the metadata, in one rename), then
+    remove what the new metadata does not name. When the commit fails, the files the new
+    metadata names are removed: all carry this save's id, so none is the committed one's."""
+    try:
+        writer.commit(metadata)
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"commit: {type(exc).__name__}: {exc}")
+        new = {c.file for t in metadata.tensors.values() for c in t.chunks}
+        writer.discard(sorted(new | {v.file for v in metadata.values.values() if v.file is not None}))
+        return
+    lock.committed()
+    writer.remove_stray(metadata)

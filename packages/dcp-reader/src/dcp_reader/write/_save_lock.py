@@ -1,0 +1,155 @@
+"""One writer per checkpoint directory: an exclusive ``flock`` on ``.dcp-save.lock``.
+
+The lock is taken by the one process that commits (rank 0 of a save) before anything is
+written, and released after the commit. The kernel drops it when its holder dies, so a
+killed save never leaves the directory locked; the file itself stays (it is tiny, hidden,
+and never read as checkpoint data). While held, it records who holds it (pid, host, start
+time and whatever the caller adds), so that a refused writer can name the holder, and the
+next writer can see who committed last (``WriterLock.previous``; a refused or failed
+save does not count).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..formats._native import LOCK_FILE
+
+__all__ = ["WriterLock", "WriterLockError"]
+
+logger = logging.getLogger(__name__)
+
+# flock errors that mean "no locking here" (some network and FUSE filesystems), not "held"
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_RECORD_LIMIT = 64 * 1024  # a record is ~200 bytes; more is not ours and is not read
+
+
+class WriterLockError(RuntimeError):
+    """Another process is writing into the checkpoint directory (``holder``: its record)."""
+
+    def __init__(self, message: str, *, path: str, holder: Mapping[str, Any] | None = None):
+        super().__init__(message)
+        self.path = path
+        self.holder = dict(holder or {})
+
+
+def _read_record(fd: int) -> dict[str, Any] | None:
+    try:
+        raw = os.pread(fd, _RECORD_LIMIT, 0)
+        doc = json.loads(raw) if raw.strip() else None
+    except (OSError, ValueError):
+        return None  # unreadable or foreign content: nothing is known about the last writer
+    return doc if isinstance(doc, dict) else None
+
+
+def _describe(record: Mapping[str, Any] | None) -> str:
+    if not record:
+        return "another process (it left no record)"
+    started = record.get("started")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+            if isinstance(started, int | float) else "an unknown time")
+    return f"pid {record.get('pid')} on host {record.get('host')!r}, since {when}"
+
+
+class WriterLock:
+    """The exclusive write lock of one checkpoint directory; a context manager.
+
+    ``acquire()`` refuses at once (``WriterLockError`` naming the holder) when another
+    process holds it: a save never waits for another save into the same directory, since
+    the second one would replace the first one's files.
+    """
+
+    def __init__(self, path: str, note: Mapping[str, Any] | None = None):
+        self.path = os.path.abspath(path)
+        self.file = os.path.join(self.path, LOCK_FILE)
+        self.note = dict(note or {})
+        self.previous: dict[str, Any] | None = None  # the record of the last writer that committed
+        self._started = time.time()
+        self._fd = -1
+        self._readonly = False
+
+    def acquire(self) -> WriterLock:
+        import fcntl
+
+        flags = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:  # 0o666 less the umask, like the data files: in a directory a group shares, any member saves
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | flags, 0o666)
+        except PermissionError:
+            # another user's lock file: flock needs no write access, only the record is not kept
+            fd = os.open(self.file, os.O_RDONLY | flags)
+            self._readonly = True
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
+                    logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
+                                   "single-writer lock: make sure no other process saves here meanwhile",
+                                   self.path, e)
+                elif e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                    raise
+                else:
+                    self._refuse(fd)
+            held = _read_record(fd) or {}
+            last = held.get("last_commit")
+            self.previous = last if isinstance(last, dict) else None
+            self._fd = fd
+            self._write({"last_commit": self.previous})
+        except BaseException:
+            self._fd = -1
+            os.close(fd)  # closing drops the lock if it was taken
+            raise
+        return self
+
+    def _refuse(self, fd: int) -> None:
+        holder = _read_record(fd)
+        raise WriterLockError(
+            f"{self.path}: another save is writing into this checkpoint directory ({_describe(holder)}; "
+            f"lock {LOCK_FILE}). Two writers into one directory would replace each other's files: "
+            "wait for it to finish, or save into another directory", path=self.path, holder=holder)
+
+    def _write(self, extra: Mapping[str, Any]) -> None:
+        if self._readonly:
+            return
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started, **self.note, **extra}
+        raw = json.dumps(record, default=str).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, raw, 0)
+
+    def committed(self) -> None:
+        """Record this writer as the last one that committed (what the next writer's
+        ``previous`` shows); call after the commit, while holding the lock."""
+        if self._fd >= 0:
+            self._write({"last_commit": {"pid": os.getpid(), "host": socket.gethostname(),
+                                         "started": self._started, **self.note}})
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the record stays for the next writer to read."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)  # closing the only descriptor drops the flock
+
+    def __enter__(self) -> WriterLock:
+        return self if self._fd >= 0 else self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class NoLock:
+    """The lock of a store that has none (an object store): takes nothing, records nothing."""
+
+    previous: dict[str, Any] | None = None
+
+    def committed(self) -> None:
+        """Nothing to record."""
+
+    def release(self) -> None:
+        """Nothing to drop."""
