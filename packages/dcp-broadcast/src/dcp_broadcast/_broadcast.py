@@ -152,6 +152,23 @@ def _needs_temporary(tensor: Any) -> bool:
     return contiguous is not None and not contiguous()
 
 
+def _plan(platform: Platform, items: Sequence[BroadcastItem], batch_bytes: int) -> list[Any]:
+    """The transfers of ``items``: packed below ``batch_bytes``, unless the platform cannot
+    view part of a byte buffer (then every item goes alone)."""
+    t_plan = time.perf_counter()
+    plan = build_plan(items, batch_bytes)
+    if any(t.batched for t in plan) and not supports_byte_ranges(platform):
+        # Packing needs typed views of parts of one buffer; without them every item goes
+        # alone. Every rank runs the same backend, so every rank decides the same way.
+        logger.warning("the %r platform cannot view part of a byte buffer as a tensor; "
+                       "broadcasting every item alone (batch_bytes=%d ignored)", platform.name,
+                       batch_bytes)
+        plan = build_plan(items, 0)
+    logger.debug("rank %d: planned %d broadcast(s) for %d item(s) in %.4f s", platform.rank(), len(plan),
+                 len(items), time.perf_counter() - t_plan)
+    return plan
+
+
 def broadcast_items(
     platform: Platform,
     items: Sequence[BroadcastItem],
@@ -189,17 +206,7 @@ def broadcast_items(
         _check_schedule(platform, items, batch_bytes, max_in_flight, errors)
     elif errors:
         raise ValueError(f"broadcast_items: invalid items on rank {rank}:\n  " + "\n  ".join(errors))
-    t_plan = time.perf_counter()
-    plan = build_plan(items, batch_bytes)
-    if any(t.batched for t in plan) and not supports_byte_ranges(platform):
-        # Packing needs typed views of parts of one buffer; without them every item goes
-        # alone. Every rank runs the same backend, so every rank decides the same way.
-        logger.warning("the %r platform cannot view part of a byte buffer as a tensor; "
-                       "broadcasting every item alone (batch_bytes=%d ignored)", platform.name,
-                       batch_bytes)
-        plan = build_plan(items, 0)
-    logger.debug("rank %d: planned %d broadcast(s) for %d item(s) in %.4f s", rank, len(plan),
-                 len(items), time.perf_counter() - t_plan)
+    plan = _plan(platform, items, batch_bytes)
     manager = groups if isinstance(groups, GroupManager) else GroupManager(platform, groups, watch=watch)
     owned = manager is not groups
     with manager if owned else nullcontext(manager):

@@ -142,31 +142,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         ]
         for p in procs:
             p.start()
-        outcome: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         try:
-            while len(outcome) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    rank, ok, payload = results.get(timeout=min(remaining, 0.5))
-                except queue_mod.Empty:
-                    # A rank that died without reporting (segfault, kill) will never report.
-                    dead = [r for r, p in enumerate(procs)
-                            if r not in outcome and p.exitcode is not None]
-                    if dead:
-                        # Give its report a moment to arrive through the queue's pipe.
-                        try:
-                            rank, ok, payload = results.get(timeout=1.0)
-                        except queue_mod.Empty:
-                            for r in dead:
-                                outcome[r] = (False, f"exited with code {procs[r].exitcode} "
-                                              "without reporting")
-                            continue
-                    else:
-                        continue
-                outcome[rank] = (ok, payload)
+            outcome = _collect(results, procs, deadline)
         finally:
             for p in procs:
                 p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
@@ -185,6 +163,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     if failures:
         raise RanksFailed(failures)
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _collect(results: Any, procs: list[Any], deadline: float) -> dict[int, tuple[bool, Any]]:
+    """Each rank's (ok, payload) from the queue until all reported or ``deadline``; a rank
+    that died without reporting (segfault, kill) is recorded as such, never waited for."""
+    outcome: dict[int, tuple[bool, Any]] = {}
+    while len(outcome) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 0.5))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+            if not dead:
+                continue
+            try:  # give its report a moment to arrive through the queue's pipe
+                rank, ok, payload = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                for r in dead:
+                    outcome[r] = (False, f"exited with code {procs[r].exitcode} without reporting")
+                continue
+        outcome[rank] = (ok, payload)
+    return outcome
 
 
 # -- MindSpore ------------------------------------------------------------------------------
@@ -245,81 +247,23 @@ def run_mindspore_workers(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    module_name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if not module_name or "<" in qualname:
-        raise ValueError(
-            f"run_mindspore_workers: fn must be a module-level function, got {fn!r}; "
-            "define it at the top level of a module"
-        )
-    module = sys.modules.get(module_name)
-    job = {"module": module_name, "qualname": qualname, "file": getattr(module, "__file__", None),
-           "args": args, "world_size": world_size}
+    job = _ms_job(fn, world_size, args)
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="dcp-ms-") as job_dir:
         with open(os.path.join(job_dir, "job.pkl"), "wb") as f:
             pickle.dump(job, f)
-        base_env = dict(os.environ)
-        # MindSpore logs at INFO/WARNING to stderr by default; errors are enough here.
-        base_env.setdefault("GLOG_v", "3")
-        base_env.update(env or {})
-        base_env.update({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(_free_port()),
-                         "MS_WORKER_NUM": str(world_size)})
-        base_env.pop("MS_NODE_ID", None)
-
-        def start(role: str, *extra: str, **more_env: str) -> tuple[subprocess.Popen[bytes], str]:
-            log = os.path.join(job_dir, f"{role}{''.join(extra)}.log")
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "dcp_platform._mindspore_child", role, job_dir, *extra],
-                    env={**base_env, **more_env}, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                )
-            return proc, log
-
-        sched, sched_log = start("sched", MS_ROLE="MS_SCHED")
-        workers = [start("worker", str(r), MS_ROLE="MS_WORKER", MS_NODE_ID=str(r))
+        base_env = _ms_env(env, world_size)
+        sched = _ms_start(job_dir, base_env, "sched", MS_ROLE="MS_SCHED")
+        workers = [_ms_start(job_dir, base_env, "worker", str(r), MS_ROLE="MS_WORKER", MS_NODE_ID=str(r))
                    for r in range(world_size)]
-        outcome: dict[int, tuple[bool, Any]] = {}
-        first_failure: float | None = None
         try:
-            while len(outcome) < world_size:
-                now = time.monotonic()
-                if now >= deadline or (first_failure is not None and now >= first_failure + _MS_FAIL_GRACE_S):
-                    break
-                for r, (proc, log) in enumerate(workers):
-                    if r in outcome:
-                        continue
-                    path = os.path.join(job_dir, f"result-{r}.pkl")
-                    exited = proc.poll() is not None
-                    if os.path.exists(path):
-                        with open(path, "rb") as f:
-                            ok, payload = pickle.load(f)
-                        outcome[r] = (ok, payload if ok else f"{payload}\n--- log ---\n{_log_tail(log)}")
-                    elif exited:
-                        outcome[r] = (False, f"exited with code {proc.returncode} without reporting\n"
-                                             f"--- log ---\n{_log_tail(log)}")
-                    else:
-                        continue
-                    if not outcome[r][0] and first_failure is None:
-                        first_failure = time.monotonic()
-                if sched.poll() is not None and sched.returncode != 0 and len(outcome) < world_size:
-                    # Without a scheduler the workers cannot finish init(): fail now.
-                    for r in range(world_size):
-                        outcome.setdefault(r, (False, f"the MindSpore scheduler exited with code "
-                                                      f"{sched.returncode}:\n{_log_tail(sched_log)}"))
-                    break
-                time.sleep(0.2)
+            outcome, first_failure = _ms_collect(job_dir, workers, sched, deadline)
             # Workers that succeeded wait for this before exiting (see _mindspore_child).
             open(os.path.join(job_dir, "release"), "w").close()
             if len(outcome) == world_size and all(ok for ok, _ in outcome.values()):
-                end = min(deadline, time.monotonic() + _MS_EXIT_GRACE_S)
-                for proc, _ in [*workers, (sched, sched_log)]:
-                    try:
-                        proc.wait(timeout=max(0.0, end - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
+                _ms_wait_exit([*workers, sched], min(deadline, time.monotonic() + _MS_EXIT_GRACE_S))
         finally:
-            for proc, _ in [*workers, (sched, sched_log)]:
+            for proc, _ in [*workers, sched]:
                 _kill_group(proc)
         for r in range(world_size):
             if r not in outcome:
@@ -330,3 +274,92 @@ def run_mindspore_workers(fn: Callable[..., Any], world_size: int, *args: Any,
     if failures:
         raise RanksFailed(failures)
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _ms_job(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...]) -> dict[str, Any]:
+    """What each MindSpore worker imports and runs: ``fn`` by module and name, and its arguments."""
+    module_name, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module_name or "<" in qualname:
+        raise ValueError(
+            f"run_mindspore_workers: fn must be a module-level function, got {fn!r}; "
+            "define it at the top level of a module"
+        )
+    module = sys.modules.get(module_name)
+    return {"module": module_name, "qualname": qualname, "file": getattr(module, "__file__", None),
+            "args": args, "world_size": world_size}
+
+
+def _ms_env(env: dict[str, str] | None, world_size: int) -> dict[str, str]:
+    """The environment of the scheduler and the workers: one free local port for the scheduler."""
+    base_env = dict(os.environ)
+    # MindSpore logs at INFO/WARNING to stderr by default; errors are enough here.
+    base_env.setdefault("GLOG_v", "3")
+    base_env.update(env or {})
+    base_env.update({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(_free_port()),
+                     "MS_WORKER_NUM": str(world_size)})
+    base_env.pop("MS_NODE_ID", None)
+    return base_env
+
+
+def _ms_start(job_dir: str, base_env: dict[str, str], role: str, *extra: str,
+              **more_env: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Start one MindSpore process (scheduler or worker) in its own session; (process, log path)."""
+    log = os.path.join(job_dir, f"{role}{''.join(extra)}.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dcp_platform._mindspore_child", role, job_dir, *extra],
+            env={**base_env, **more_env}, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    return proc, log
+
+
+def _ms_collect(job_dir: str, workers: list[tuple[Any, str]], sched: tuple[Any, str],
+                deadline: float) -> tuple[dict[int, tuple[bool, Any]], float | None]:
+    """Poll the workers' result files until every rank reported, the deadline passed, a
+    failure's grace ran out, or the scheduler died; (outcome per rank, first failure time)."""
+    outcome: dict[int, tuple[bool, Any]] = {}
+    first_failure: float | None = None
+    world_size = len(workers)
+    while len(outcome) < world_size:
+        now = time.monotonic()
+        if now >= deadline or (first_failure is not None and now >= first_failure + _MS_FAIL_GRACE_S):
+            break
+        for r, (proc, log) in enumerate(workers):
+            if r not in outcome and _ms_outcome(job_dir, r, proc, log, outcome):
+                if not outcome[r][0] and first_failure is None:
+                    first_failure = time.monotonic()
+        proc, sched_log = sched
+        if proc.poll() is not None and proc.returncode != 0 and len(outcome) < world_size:
+            # Without a scheduler the workers cannot finish init(): fail now.
+            for r in range(world_size):
+                outcome.setdefault(r, (False, f"the MindSpore scheduler exited with code "
+                                              f"{proc.returncode}:\n{_log_tail(sched_log)}"))
+            break
+        time.sleep(0.2)
+    return outcome, first_failure
+
+
+def _ms_outcome(job_dir: str, r: int, proc: Any, log: str, outcome: dict[int, tuple[bool, Any]]) -> bool:
+    """Record rank ``r``'s result (or its exit without one) in ``outcome``; whether it ended."""
+    path = os.path.join(job_dir, f"result-{r}.pkl")
+    exited = proc.poll() is not None
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            ok, payload = pickle.load(f)
+        outcome[r] = (ok, payload if ok else f"{payload}\n--- log ---\n{_log_tail(log)}")
+    elif exited:
+        outcome[r] = (False, f"exited with code {proc.returncode} without reporting\n"
+                             f"--- log ---\n{_log_tail(log)}")
+    else:
+        return False
+    return True
+
+
+def _ms_wait_exit(procs: list[tuple[Any, str]], end: float) -> None:
+    """Give processes that succeeded until ``end`` to exit on their own."""
+    for proc, _ in procs:
+        try:
+            proc.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass

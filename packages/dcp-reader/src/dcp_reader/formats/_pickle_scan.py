@@ -110,17 +110,10 @@ def scan_pickle(data: bytes, start: int = 0, *, max_depth: int = MAX_DEPTH, budg
             elif code == _FRAME and pos + n + int.from_bytes(data[pos:pos + n], "little") > end:
                 return f"a frame at byte {at} runs past the end ({end} bytes)", at
             pos += n
-        elif n == -1:
-            for _ in range(_LINES[code]):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    return f"unterminated argument of opcode {code:#x} at byte {at}", at
-                if code in _TEXT_INDEX:
-                    try:
-                        index = int(data[pos:nl])
-                    except ValueError:
-                        return f"bad memo index {data[pos:nl][:20]!r} at byte {at}", at
-                pos = nl + 1
+        elif n == -1:  # protocol 0's newline-ended arguments (rare: not on the hot path)
+            why, pos, index = _text_argument(data, pos, code, at)
+            if why:
+                return why, at
         elif n < 0:
             width = _WIDTH[n]
             length = int.from_bytes(data[pos:pos + width], "little", signed=n == -3)
@@ -150,6 +143,22 @@ def scan_pickle(data: bytes, start: int = 0, *, max_depth: int = MAX_DEPTH, budg
         except _Refused as e:
             return f"{e.args[0]} at byte {at} (opcode {code:#x})", at
     return f"no STOP opcode before the end ({end} bytes): the pickle is truncated", end
+
+
+def _text_argument(data: bytes, pos: int, code: int, at: int) -> tuple[str | None, int, int | None]:
+    """(a problem or None, the offset past the argument's lines, the memo index it gives)."""
+    index = None
+    for _ in range(_LINES[code]):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            return f"unterminated argument of opcode {code:#x} at byte {at}", pos, None
+        if code in _TEXT_INDEX:
+            try:
+                index = int(data[pos:nl])
+            except ValueError:
+                return f"bad memo index {data[pos:nl][:20]!r} at byte {at}", pos, None
+        pos = nl + 1
+    return None, pos, index
 
 
 class _Refused(Exception):
