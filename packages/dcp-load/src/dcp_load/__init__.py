@@ -10,7 +10,9 @@ from .layouts._sources import Concat, Slice, Stack
 from .layouts._state import Chunk
 from .plan._plan import GlobalPlan, GreedyPlanner, Planner, ReadItem, build_global_plan
 from .run._report import LoadReport
+from .saving._async import async_save
 from .saving._save import SaveReport, save
+from .saving._staging import release_staging
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -28,10 +30,12 @@ __all__ = [
     "Slice",
     "Stack",
     "__version__",
+    "async_save",
     "build_global_plan",
     "convert",
     "flat_views",
     "load",
     "read_state_dict",
+    "release_staging",
     "save",
 ]

@@ -38,15 +38,23 @@ from ..plan._items import GreedyPlanner, ReadItem
 from ..run._coordinate import Coordinator, timeout_seconds
 from ..run._shared_open import is_uri
 from ..run._validate import check_launch, exchange, summarise
+from ._queue import wait_for_previous
 
-__all__ = ["SaveReport", "save"]
+__all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "write_files"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SaveReport:
-    """One rank's account of a ``save``: what it wrote and how long it took."""
+    """One rank's account of a ``save`` or ``async_save``: what it wrote and how long it took.
+
+    ``seconds``: from the call to the commit. ``write_seconds``: writing this rank's files.
+    ``async_save`` only (0 for ``save``): ``staged_bytes``, the bytes copied into the
+    staging pool (those of the boxes this rank writes); ``staging_seconds``, the copy;
+    ``blocked_seconds``, how long the call kept the caller (the checks, the exchange, the
+    copy, and any wait for this process's previous save).
+    """
 
     rank: int
     world_size: int
@@ -56,9 +64,13 @@ class SaveReport:
     bytes_written: int
     job_bytes: int
     seconds: float
+    write_seconds: float = 0.0
+    staged_bytes: int = 0
+    staging_seconds: float = 0.0
+    blocked_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bytes_written < 0 or self.chunks_written < 0:
+        if min(self.bytes_written, self.chunks_written, self.staged_bytes) < 0:
             raise ValueError("SaveReport counts must be >= 0")
 
 
@@ -124,22 +136,37 @@ def save(
     else 10 minutes): how long ranks that entered ``save`` wait for the others. Every exchange of the save is bounded as in
     ``load``: a rank that fails, dies or never arrives makes the others raise ``LoadError``
     naming it (within about 15 s for a dead rank) instead of waiting in the next exchange.
+
+    An ``async_save`` of this process still writing is waited for first: saves of one
+    process run in call order.
     """
-    if checkpoint_id is None:
-        raise ValueError("save: checkpoint_id= (the directory to write) is required")
-    if timeout is not None:
-        timeout_seconds(timeout, "save")  # refuse a bad value before anything else
     start = time.perf_counter()
+    path, leaves, platform, wait_s, collective = resolve_save(state_dict, checkpoint_id, no_dist, platform, timeout)
+    wait_for_previous("save", path)
+    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
+        coord.arrive()
+        planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist)
+        try:
+            return _save(coord, planned, start)
+        finally:
+            planned.release_lock()
+
+
+def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: bool, platform: Any,
+                 timeout: Any, what: str = "save") -> tuple[str, list[Any], Any, float, bool]:
+    """(directory, leaves, platform, timeout in seconds, collective) of a ``save`` call;
+    its argument errors raise here, before any rank waits for another."""
+    if checkpoint_id is None:
+        raise ValueError(f"{what}: checkpoint_id= (the directory to write) is required")
+    if timeout is not None:
+        timeout_seconds(timeout, what)  # refuse a bad value before anything else
     path = os.fspath(checkpoint_id)
     path = path if is_uri(path) else os.path.abspath(path)  # s3://bucket/prefix: an object store
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
-    wait_s = timeout_seconds(timeout, "save", platform)
-    check_launch(platform, no_dist, "save")
-    collective = not no_dist and platform.is_distributed()
-    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
-        coord.arrive()
-        return _save(coord, platform, collective, leaves, path, allow_pickle, start, no_dist)
+    wait_s = timeout_seconds(timeout, what, platform)
+    check_launch(platform, no_dist, what)
+    return path, leaves, platform, wait_s, not no_dist and platform.is_distributed()
 
 
 def _hold(leaves: list[Any], errors: list[str]) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
@@ -165,13 +192,48 @@ def _hold(leaves: list[Any], errors: list[str]) -> tuple[list[Any], dict[str, An
     return holdings, targets, values
 
 
-def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
-          allow_pickle: bool, start: float, no_dist: bool) -> SaveReport:
-    """``save`` once every rank arrived; every exchange is bounded by ``coord``."""
-    from dcp_reader import CheckpointMetadata, NativeWriter
+@dataclass
+class PlannedSave:
+    """A save every rank agreed on, before anything is written: the layout, what this rank
+    writes (``mine``, read from ``targets``) and, on rank 0, the lock and the values."""
+
+    platform: Any
+    collective: bool
+    path: str
+    rank: int
+    world: int
+    me: int
+    writer: Any
+    lock: Any
+    encoded: Any
+    save_id: str
+    tensors: dict[str, Any]
+    mine: list[ReadItem]
+    targets: dict[str, Any]
+
+    def release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def metadata(self, value_meta: dict[str, Any]) -> Any:
+        from dcp_reader import CheckpointMetadata
+
+        return CheckpointMetadata(tensors=self.tensors, values=value_meta, format="native")
+
+    def report(self, written: int, nbytes: int, seconds: float, **timings: Any) -> SaveReport:
+        return SaveReport(rank=self.rank, world_size=self.world, path=self.path, tensors=len(self.tensors),
+                          chunks_written=written, bytes_written=nbytes,
+                          job_bytes=sum(t.nbytes for t in self.tensors.values()), seconds=seconds, **timings)
+
+
+def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
+              allow_pickle: bool, no_dist: bool) -> PlannedSave:
+    """Every check of a save, once every rank arrived; ``LoadError`` on every rank when any
+    rank failed one (rank 0's lock is then released). Nothing is written here."""
+    from dcp_reader import NativeWriter
 
     rank = platform.rank()
-    world = platform.world_size() if collective else 1
     me = rank if collective else 0
     errors: list[str] = []
     writer = lock = encoded = save_id = None
@@ -187,35 +249,65 @@ def _save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
                                   payload=(holdings, sorted(values), save_id, path))
         save_id = gathered[0][2]  # rank 0's: every rank names the files alike
         tensors, per_rank, failures = _layout(gathered, save_id)
-        for r, g in enumerate(gathered):
-            if g[3] != gathered[0][3]:  # a relative checkpoint_id from another working directory, say
-                failures.setdefault(r, []).append(
-                    f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
-                    "directory (an absolute path; a relative one depends on each process's working directory)")
-        missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
-        if missing_values:
-            failures.setdefault(0, []).append(
-                f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
-                "rank 0 writes the values, so it must hold all of them")
-        try:
-            CheckpointMetadata(tensors=tensors, values={}, format="native")
-        except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
-            failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
-                                              f"{type(exc).__name__}: {exc}")
+        _agree(gathered, tensors, failures)
         if failures:
             raise LoadError(failures, "save")
-        written, nbytes, value_meta = _write(writer, me, per_rank.get(me, []), targets, encoded, save_id,
-                                             errors, coord, collective)
-        if me == 0:
-            _commit(writer, lock, CheckpointMetadata(tensors=tensors, values=value_meta, format="native"), errors)
-        coord.check(errors, "save", collective=collective)
-    finally:
+    except BaseException:
         if lock is not None:
             lock.release()
+        raise
+    return PlannedSave(platform, collective, path, rank, platform.world_size() if collective else 1, me, writer,
+                       lock, encoded, save_id, tensors, per_rank.get(me, []), targets)
+
+
+def _agree(gathered: list[Any], tensors: dict[str, Any], failures: dict[int, list[str]]) -> None:
+    """Record in ``failures`` what the ranks disagree on: the directory, the values rank 0
+    lacks, boxes that do not tile their tensors (the same verdict on every rank)."""
+    from dcp_reader import CheckpointMetadata
+
+    for r, g in enumerate(gathered):
+        if g[3] != gathered[0][3]:  # a relative checkpoint_id from another working directory, say
+            failures.setdefault(r, []).append(
+                f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
+                "directory (an absolute path; a relative one depends on each process's working directory)")
+    missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
+    if missing_values:
+        failures.setdefault(0, []).append(
+            f"non-tensor values held by other ranks but not by rank 0: {summarise(missing_values)}; "
+            "rank 0 writes the values, so it must hold all of them")
+    try:
+        CheckpointMetadata(tensors=tensors, values={}, format="native")
+    except Exception as exc:  # noqa: BLE001 - same data on every rank, so every rank raises alike
+        failures.setdefault(0, []).append(f"the boxes all ranks hold do not tile the tensors: "
+                                          f"{type(exc).__name__}: {exc}")
+
+
+def box_data(planned: PlannedSave) -> dict[str, Any]:
+    """{chunk key: the values of the box} of every box this rank writes (views, not copies)."""
+    from dcp_reader import chunk_key
+
+    return {chunk_key(i.name, i.offsets): planned.targets[i.name].values(i.offsets, i.sizes) for i in planned.mine}
+
+
+def _save(coord: Coordinator, planned: PlannedSave, start: float) -> SaveReport:
+    """Write, check that every rank wrote, commit (rank 0), check the commit."""
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    files, value_meta = write_files(planned, box_data(planned), errors)
+    write_s = time.perf_counter() - t0
+    try:
+        coord.check(errors, "save", collective=planned.collective)
+    except BaseException:
+        planned.writer.discard(files)
+        raise
+    if planned.me == 0:
+        commit(planned.writer, planned.lock, planned.metadata(value_meta), errors)
+    coord.check(errors, "save", collective=planned.collective)
     seconds = time.perf_counter() - start
-    logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", rank, written, nbytes, path, seconds)
-    return SaveReport(rank=rank, world_size=world, path=path, tensors=len(tensors), chunks_written=written,
-                      bytes_written=nbytes, job_bytes=sum(t.nbytes for t in tensors.values()), seconds=seconds)
+    nbytes = sum(i.nbytes for i in planned.mine)
+    logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", planned.rank, len(planned.mine), nbytes,
+                 planned.path, seconds)
+    return planned.report(len(planned.mine), nbytes, seconds, write_seconds=write_s)
 
 
 def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[str]) -> tuple[Any, Any, str]:
@@ -295,36 +387,28 @@ def _same_launch(previous: Any, note: dict[str, Any], path: str) -> list[str]:
             "torch.distributed.init_process_group before save so that the ranks save one checkpoint together"]
 
 
-def _write(writer: Any, me: int, mine: list[ReadItem], targets: dict[str, Any], encoded: Any, save_id: str,
-           errors: list[str], coord: Coordinator, collective: bool) -> tuple[int, int, dict[str, Any]]:
-    """This rank's data file (and rank 0's values), then the check that every rank wrote
-    its own; on a failure anywhere, this rank's new files are removed before raising (the
-    committed checkpoint never names them). Returns (chunks, bytes, value metadata)."""
-    from dcp_reader import chunk_key, data_file_name, values_file_name
+def write_files(planned: PlannedSave, data: dict[str, Any], errors: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """This rank's data file of ``data`` ({chunk key: values}) and rank 0's values file.
+    Returns (the files written, for removal after a failure anywhere; value metadata); a
+    failure is recorded in ``errors`` and what this rank wrote is removed."""
+    from dcp_reader import data_file_name, values_file_name
 
     files: list[str] = []
-    written = nbytes = 0
     value_meta: dict[str, Any] = {}
     try:
-        try:
-            if mine:
-                data = {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in mine}
-                files.append(data_file_name(me, save_id))
-                writer.write_file(files[-1], data)
-                written, nbytes = len(mine), sum(i.nbytes for i in mine)
-            if me == 0:
-                files.append(values_file_name(save_id))
-                value_meta = writer.write_values(encoded, file_name=files[-1])
-        except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
-            errors.append(f"{type(exc).__name__}: {exc}")
-        coord.check(errors, "save", collective=collective)
-    except BaseException:
-        writer.discard(files)
-        raise
-    return written, nbytes, value_meta
+        if data:
+            files.append(data_file_name(planned.me, planned.save_id))
+            planned.writer.write_file(files[-1], data)
+        if planned.me == 0:
+            files.append(values_file_name(planned.save_id))
+            value_meta = planned.writer.write_values(planned.encoded, file_name=files[-1])
+    except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
+        errors.append(f"{type(exc).__name__}: {exc}")
+        planned.writer.discard(files)
+    return files, value_meta
 
 
-def _commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
+def commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
     """Rank 0: switch the directory to the new files (the metadata, in one rename), then
     remove what the new metadata does not name. When the commit fails, the files the new
     metadata names are removed: all carry this save's id, so none is the committed one's."""

@@ -1,0 +1,234 @@
+"""``async_save``: ``save`` that returns once its snapshot is taken, and writes behind.
+
+On the caller's thread, every rank makes the checks and the one exchange of ``save``
+(``plan_save``: rank 0's lock, the layout, every refusal), then copies the boxes it writes
+(only those: a replicated box is copied by its one writer) into the staging pool and
+returns a ``Future``. A background thread then writes this rank's file from the copies and
+coordinates the commit through the platform's key-value store only, never through a
+process group: the training loop keeps its communicators to itself (an all-reduce on the
+default group while the save commits does not pair with the save's traffic).
+
+The commit through the store (keys under ``dcp-save/<n>/fin``): each rank publishes its
+write errors (``w/<rank>``) and counts itself in ``n``; rank 0 waits until every rank
+counted (bounded by ``timeout``, from when its own write finished; a dead rank is named by
+the watch's heartbeats), commits when nobody failed (the rename of ``save``), and publishes
+the outcome; the others wait for it. A failure anywhere makes every rank's future raise the
+same ``LoadError``, and every rank removes its new files: the committed checkpoint is the
+old one. Store traffic per rank: 4 operations, plus one poll every <= ``POLL_MAX_S`` while
+waiting; the last rank to read the outcome removes the keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from .._errors import LoadError
+from ..run._coordinate import MIN_STALL_S, Coordinator
+from ._queue import InFlight, begin
+from ._save import PlannedSave, SaveReport, box_data, commit, plan_save, resolve_save, write_files
+from ._staging import POOL
+
+__all__ = ["POLL_MAX_S", "async_save"]
+
+logger = logging.getLogger(__name__)
+
+#: Longest pause between two store polls while waiting for the others: a finished write is
+#: noticed within it, at ~50 store operations per second per waiting rank.
+POLL_MAX_S = 0.02
+_SAVES = 0  # async saves of this process, for thread names
+
+
+def async_save(
+    state_dict: Mapping[Any, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    no_dist: bool = False,
+    allow_pickle: bool = False,
+    platform: Any = None,
+    timeout: Any = None,
+) -> Future[SaveReport]:
+    """``save``, returning once every value it writes is copied: a ``Future`` whose
+    ``result()`` is this rank's ``SaveReport``, or raises the ``LoadError`` that names every
+    failing rank (the same on every rank; the old checkpoint stays committed).
+
+    Call on every rank with ``save``'s arguments. The caller may change or free its tensors
+    as soon as the call returns. Refusals that come before anything is written (a second
+    writer, boxes that do not tile, a value that cannot be stored) raise here, as from
+    ``save``. A call waits first for this process's previous ``async_save`` to finish, so
+    one process's saves run in call order and at most one copy is staged (``release_staging``
+    frees it). Call ``result()`` before destroying the process group: the commit needs its
+    store.
+    """
+    start = time.perf_counter()
+    path, leaves, platform, wait_s, collective = resolve_save(state_dict, checkpoint_id, no_dist, platform, timeout,
+                                                              "async_save")
+    if collective and platform.store() is None:
+        raise ValueError(f"async_save: the {platform!r} platform has no key-value store, which the background "
+                         "commit coordinates through (it keeps off the training loop's communicators); use save")
+    inflight, _ = begin(path)  # the wait counts in blocked_seconds
+    try:
+        future, job = _snapshot(platform, collective, wait_s, leaves, path, allow_pickle, no_dist, start, inflight)
+    except BaseException:
+        inflight.done.set()
+        raise
+    global _SAVES
+    _SAVES += 1
+    # Not a daemon: a script that ends without result() still commits its last save.
+    threading.Thread(target=job, name=f"dcp-async-save-{_SAVES}").start()
+    return future
+
+
+def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any], path: str, allow_pickle: bool,
+              no_dist: bool, start: float, inflight: InFlight
+              ) -> tuple[Future[SaveReport], Callable[[], None]]:
+    """The caller's part: checks, exchange, copies. Returns the future and its job."""
+    with contextlib.ExitStack() as stack:
+        coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save"))
+        coord.arrive()
+        planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist)
+        if planned.me == 0:
+            logger.info("async_save %s into %s: started (%d tensors, %d bytes)", planned.save_id, path,
+                        len(planned.tensors), sum(t.nbytes for t in planned.tensors.values()))
+        try:
+            t0 = time.perf_counter()
+            staged, nbytes = POOL.stage(box_data(planned))
+            if planned.encoded is not None:  # the inline values are the caller's objects: copy them too
+                planned.encoded = dataclasses.replace(planned.encoded, inline=copy.deepcopy(planned.encoded.inline))
+        except BaseException:
+            planned.release_lock()
+            raise
+        timings = {"staging_seconds": time.perf_counter() - t0, "staged_bytes": nbytes,
+                   "blocked_seconds": time.perf_counter() - start}
+        if planned.me == 0:
+            logger.info("async_save %s into %s: staged %d bytes in %.3f s; writing in the background",
+                        planned.save_id, path, nbytes, timings["staging_seconds"])
+        background = stack.pop_all()
+    future: Future[SaveReport] = Future()
+    future.set_running_or_notify_cancel()
+
+    def job() -> None:
+        _background(coord, background, planned, staged, timings, start, wait_s, future, inflight)
+
+    return future, job
+
+
+def _background(coord: Coordinator, stack: contextlib.ExitStack, planned: PlannedSave, staged: dict[str, Any],
+                timings: dict[str, Any], start: float, wait_s: float, future: Future[SaveReport],
+                inflight: InFlight) -> None:
+    """Write, commit, close the watch, settle the future (in this order: a save waiting for
+    this one may start as soon as the future is set)."""
+    outcome: Any = None
+    try:
+        errors: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            files, value_meta = write_files(planned, staged, errors)
+        finally:
+            staged.clear()
+            POOL.done()
+        write_s = time.perf_counter() - t0
+        _finish(coord, planned, errors, files, value_meta, wait_s)
+        outcome = planned.report(len(planned.mine), sum(i.nbytes for i in planned.mine),
+                                 time.perf_counter() - start, write_seconds=write_s, **timings)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the future
+        outcome = exc
+    planned.release_lock()
+    try:
+        if isinstance(outcome, BaseException):
+            stack.__exit__(type(outcome), outcome, outcome.__traceback__)
+        else:
+            stack.__exit__(None, None, None)
+    except BaseException as exc:  # noqa: BLE001 - the watch turned a peer's failure into LoadError
+        outcome = exc
+    inflight.done.set()
+    if isinstance(outcome, SaveReport):
+        if planned.me == 0:
+            logger.info("async_save %s into %s: committed, %.3f s after the call", planned.save_id, planned.path,
+                        outcome.seconds)
+        future.set_result(outcome)
+    else:
+        if not isinstance(outcome, LoadError):
+            outcome = _as_load_error(planned.rank, outcome)
+        logger.info("async_save %s into %s: failed: %s", planned.save_id, planned.path, str(outcome)[:300])
+        future.set_exception(outcome)
+
+
+def _as_load_error(rank: int, exc: BaseException) -> LoadError:
+    err = LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "save")
+    err.__cause__ = exc
+    return err
+
+
+def _finish(coord: Coordinator, planned: PlannedSave, errors: list[str], files: list[str],
+            value_meta: dict[str, Any], wait_s: float) -> None:
+    """Agree on the write's outcome through the store, rank 0 commits (module docstring);
+    ``LoadError`` on every rank when any rank failed, after removing this rank's files."""
+    if not planned.collective:
+        failures = {planned.rank: list(errors)} if errors else {}
+        if not failures and planned.me == 0:
+            commit(planned.writer, planned.lock, planned.metadata(value_meta), errors)
+            failures = {planned.rank: list(errors)} if errors else {}
+    else:
+        failures = _agree_through_store(coord, planned, errors, value_meta, wait_s)
+    if failures:
+        # Only on an outcome every rank read: after a peer's death (PeerFailure) rank 0 may
+        # have committed, so the files stay (a next save removes them if nothing names them).
+        planned.writer.discard(files)
+        coord._shared = True  # every rank read the same outcome: nothing to publish
+        raise LoadError(failures, "save")
+
+
+def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[str], value_meta: dict[str, Any],
+                         wait_s: float) -> dict[int, list[str]]:
+    store, watch, world = planned.platform.store(), coord.watch, planned.world
+    base = f"{watch.name}/fin"
+    mine = f"{base}/w/{planned.me}"
+    store.set(mine, pickle.dumps(list(errors)))
+    if errors:
+        store.add(f"{base}/bad", 1)
+    store.add(f"{base}/n", 1)
+    if planned.me == 0:
+        bound = max(wait_s, MIN_STALL_S)
+        if not _poll(watch, lambda: store.add(f"{base}/n", 0) >= world, bound):
+            failures = {r: [f"had not written its files {bound:g} s after rank 0 had (the timeout of the save)"]
+                        for r in range(world) if not store.check([f"{base}/w/{r}"])}
+        else:
+            failures = {}
+            if store.add(f"{base}/bad", 0):
+                failures = {r: e for r in range(world) if (e := pickle.loads(store.get(f"{base}/w/{r}")))}
+        if not failures:
+            commit(planned.writer, planned.lock, planned.metadata(value_meta), errors)
+            if errors:
+                failures = {0: list(errors)}
+        store.set(f"{base}/outcome", pickle.dumps(failures))
+    else:
+        _poll(watch, lambda: store.check([f"{base}/outcome"]), None)
+        failures = pickle.loads(store.get(f"{base}/outcome"))
+    store.delete_key(mine)
+    if store.add(f"{base}/seen", 1) >= world:  # the last reader removes the shared keys
+        for key in ("n", "bad", "outcome", "seen"):
+            store.delete_key(f"{base}/{key}")
+    return failures
+
+
+def _poll(watch: Any, ready: Callable[[], bool], bound_s: float | None) -> bool:
+    """Wait until ``ready()``; False after ``bound_s``; ``PeerFailure`` once the watch saw
+    a failure published or a rank die."""
+    start, pause = time.monotonic(), 0.001
+    while not ready():
+        watch.check()
+        if bound_s is not None and time.monotonic() - start > bound_s:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
+    return True
