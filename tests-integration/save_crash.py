@@ -75,7 +75,7 @@ def state(gen: int, rank: int, world: int) -> dict[str, Any]:
     return sd
 
 
-def _saver(rank: int, world: int, init_file: str, path: str, gen: int, events: Any) -> None:
+def _saver(rank: int, world: int, init_file: str, path: str, gen: int, events: Any, mode: str = "sync") -> None:
     import dcp_load
     import torch
     import torch.distributed as dist
@@ -86,7 +86,15 @@ def _saver(rank: int, world: int, init_file: str, path: str, gen: int, events: A
                                 timeout=timedelta(seconds=60))
     sd = state(gen, rank, world)
     events.put(("ready", rank, time.monotonic()))
-    dcp_load.save(sd, checkpoint_id=path, no_dist=world == 1, timeout=60)
+    if mode == "async":  # the kill then mostly lands in the background write or its commit
+        fut = dcp_load.async_save(sd, checkpoint_id=path, no_dist=world == 1, timeout=60)
+        for v in sd.values():  # the training step after the call: the checkpoint keeps the values at it
+            t = getattr(v, "tensor", v)  # a Chunk's tensor
+            if hasattr(t, "neg_"):
+                t.neg_()
+        fut.result()
+    else:
+        dcp_load.save(sd, checkpoint_id=path, no_dist=world == 1, timeout=60)
     events.put(("done", rank, time.monotonic()))
     if world > 1:
         dist.destroy_process_group()
@@ -124,7 +132,7 @@ def check(path: str, old: int | None, new: int) -> tuple[str, str]:
 
 
 def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: random.Random,
-              tmp: str) -> tuple[str, float]:
+              tmp: str, mode: str = "sync") -> tuple[str, float]:
     """Run save ``gen``; kill it ``kill_after`` s after the last rank was ready (None: let
     it finish). Returns ("killed" when some rank had not returned from ``save`` when the
     kill began | "finished", seconds from ready to done or to the kill). Times come from
@@ -132,7 +140,7 @@ def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: ra
     ctx = _context()
     events = ctx.Queue()
     init_file = os.path.join(tmp, f"store-{gen}")
-    procs = [ctx.Process(target=_saver, args=(r, world, init_file, path, gen, events), daemon=True)
+    procs = [ctx.Process(target=_saver, args=(r, world, init_file, path, gen, events, mode), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -178,19 +186,21 @@ def _run_save(path: str, gen: int, world: int, kill_after: float | None, rng: ra
         events.close()
 
 
-def _calibrate(path: str, world: int, rng: random.Random, tmp: str) -> float:
+def _calibrate(path: str, world: int, rng: random.Random, tmp: str, mode: str) -> float:
     """The median time of 3 saves, after one to warm up (gens 0-3)."""
-    times = sorted(_run_save(path, gen, world, None, rng, tmp)[1] for gen in range(4))[:3]
+    times = sorted(_run_save(path, gen, world, None, rng, tmp, mode)[1] for gen in range(4))[:3]
     return times[1]
 
 
 def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 20261201, fresh_every: int = 5,
-               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+               log: Callable[[str], None] | None = None, mode: str = "sync") -> dict[str, Any]:
     """Trials until ``kills`` saves were killed before they returned (split over
     ``worlds``; at most 3 x as many trials). The kill comes uniformly within 1.1 x the
     median save time, so some saves finish first. Every ``fresh_every``-th trial starts
     from an empty directory (a first save must leave no checkpoint or a whole one); the
-    others overwrite a whole checkpoint. Returns counts by outcome and the failures."""
+    others overwrite a whole checkpoint. ``mode="async"``: the savers call ``async_save``,
+    negate every tensor as soon as it returns, then wait for its result. Returns counts by
+    outcome and the failures."""
     from dcp_reader import verify_checkpoint
 
     rng = random.Random(seed)
@@ -199,7 +209,7 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
     with tempfile.TemporaryDirectory(prefix="dcp-save-crash-") as tmp:
         for world in worlds:
             path = os.path.join(tmp, f"ckpt-w{world}")
-            took = _calibrate(path, world, rng, tmp)
+            took = _calibrate(path, world, rng, tmp, mode)
             gen = 3
             share = kills // len(worlds) + (world == worlds[0]) * (kills % len(worlds))
             current: int | None = gen  # what the directory holds
@@ -210,12 +220,12 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
                     current = None
                 elif current is None:  # the last kill left nothing: overwrite a whole checkpoint again
                     gen += 1
-                    _run_save(path, gen, world, None, rng, tmp)
+                    _run_save(path, gen, world, None, rng, tmp, mode)
                     current = gen
                 gen += 1
                 trial += 1
                 after = rng.uniform(0, 1.1 * took)
-                how, _ = _run_save(path, gen, world, after, rng, tmp)
+                how, _ = _run_save(path, gen, world, after, rng, tmp, mode)
                 killed += how == "killed"
                 outcome, why = check(path, current, gen)
                 counts[f"w{world}:{'first' if current is None else 'over'}:{how}:{outcome}"] += 1
@@ -231,7 +241,7 @@ def run_trials(kills: int, *, worlds: tuple[int, ...] = (1, 2), seed: int = 2026
             # a save that finishes removes whatever the killed ones left (temporary files of
             # killed writes, data files of saves never committed, earlier larger saves' files)
             gen += 1
-            _run_save(path, gen, world, None, rng, tmp)
+            _run_save(path, gen, world, None, rng, tmp, mode)
             outcome, why = check(path, current, gen)
             left = verify_checkpoint(path).problems
             counts[f"w{world}:final:{outcome}"] += 1
