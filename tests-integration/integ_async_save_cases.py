@@ -212,3 +212,20 @@ def _dcp_threads() -> list[str]:
         if not left or time.monotonic() > end:
             return left
         time.sleep(0.01)
+
+
+def s3_snapshot(rank: int, world: int, uri: str) -> dict[str, Any]:
+    """async_save 1 then 2 into ``uri`` (an s3:// prefix), every tensor changed right after
+    each call: the prefix holds save 1, then save 2."""
+    import dcp_load
+
+    out: dict[str, Any] = {}
+    for gen in (1, 2):
+        sd = state(gen)
+        fut = dcp_load.async_save(sd, checkpoint_id=uri)
+        _change_everything(sd)
+        report = fut.result(timeout=120)
+        out[f"holds_{gen}"] = holds(uri, gen)
+        out[f"staged_{gen}"] = report.staged_bytes == report.bytes_written
+    out["threads"] = _dcp_threads()
+    return out
