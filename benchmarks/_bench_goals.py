@@ -12,8 +12,8 @@ from typing import Any
 
 import _bench_attrib
 import bench_load_throttled as thr
-from _bench_stats import MiB, fmt_bytes, median, table
-from bench_load_replicated import LAYOUT_NAMES, METHOD_NAMES
+from _bench_layouts import LAYOUT_NAMES, METHOD_NAMES
+from _bench_stats import MiB, by_repeat, fmt_bytes, median, ratio_by_repeat, table, unique_failures
 
 # A measured read amplification at most this counts as reading once: /proc/self/io counts
 # whole pages and kernel readahead, so a read-once load measures a little above 1 (issue 9).
@@ -37,9 +37,7 @@ def _default(res: dict[str, Any], **match: Any) -> str | None:
 
 
 def _ratio(res: dict[str, Any], a: str, b: str, **match: Any) -> float:
-    ta = {r["repeat"]: r["summary"]["wall_s"] for r in _rep(res, method=a, **match)}
-    tb = {r["repeat"]: r["summary"]["wall_s"] for r in _rep(res, method=b, **match)}
-    return median([ta[k] / tb[k] for k in ta if k in tb])
+    return ratio_by_repeat(by_repeat(_rep(res, method=a, **match)), by_repeat(_rep(res, method=b, **match)))
 
 
 def _row(goal: str, ok: bool | None, measured: str) -> list[str]:
@@ -175,7 +173,7 @@ def _peers(results: dict[str, Any]) -> list[list[str]]:
         res = results.get(name) or {}
         for peer, reason in (res.get("peers") or {}).items():
             measured = [r for r in res.get("runs", []) if r["method"] == peer]
-            failed = [f for f in res.get("peer_failures", []) if f["method"] == peer]
+            failed = unique_failures(res.get("peer_failures", []), peer)
             unique = res.get("unique_bytes", 0)
             amps = {}
             for r in measured:

@@ -17,6 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from _bench_phases import timed_torch_load
+from _bench_spec import box
+
 METHODS = ("dcp", "dcp-reread", "dcp-auto", "torch", "safetensors", "fastsafetensors")
 DCP_MODES: dict[str, bool | str] = {"dcp": True, "dcp-reread": False, "dcp-auto": "auto"}
 
@@ -40,7 +43,6 @@ def do_load(run: Any, sd: dict[str, Any], local: dict[str, Any], ckpt: str, dist
         return _dcp(run, sd, ckpt, distributed)
     if run.method == "torch":
         import torch.distributed.checkpoint as tdcp
-        from _bench_phases import timed_torch_load
 
         reader = (tdcp.HuggingFaceStorageReader(ckpt) if run.fmt == "hf"
                   else tdcp.FileSystemReader(ckpt))
@@ -85,7 +87,6 @@ def _safetensors(sd: dict[str, Any], ckpt: str) -> dict[str, Any]:
 def _fastsafetensors(run: Any, local: dict[str, Any], ckpt: str, distributed: bool,
                      tp_rank: int) -> dict[str, Any]:
     import torch.distributed as dist
-    from _bench_common import _box
     from fastsafetensors import ParallelLoader
 
     index = json.loads((Path(ckpt) / "model.safetensors.index.json").read_text())["weight_map"]
@@ -98,9 +99,9 @@ def _fastsafetensors(run: Any, local: dict[str, Any], ckpt: str, distributed: bo
     try:
         for key, tensor in loader.iterate_weights():
             shape, tp_dim = tp_dims[key]
-            offsets, sizes = _box(shape, tp_dim, run.tp, tp_rank)
-            box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
-            local[key].copy_(tensor[box])
+            offsets, sizes = box(shape, tp_dim, run.tp, tp_rank)
+            part = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            local[key].copy_(tensor[part])
             seen += 1
     finally:
         loader.close()

@@ -22,7 +22,7 @@ import bench_load_replicated as rep_mod  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
 import bench_load_throttled  # noqa: E402
-from _bench_stats import fmt_bytes, median, table  # noqa: E402
+from _bench_stats import fmt_bytes, median, table, unique_failures  # noqa: E402
 
 HEAD = """# Benchmarks: dcp against torch.distributed.checkpoint
 
@@ -429,10 +429,9 @@ def _peers(res: dict[str, Any]) -> str:
             version = (res["machine"].get("peers") or {}).get(peer)
             ok = f"{peer} {version} imports" if version else "imports"
             rows.append([peer, name, ok if reason is None else reason, str(n)])
-            for f in r.get("peer_failures", []):
-                if f["method"] == peer and reason is None:
-                    rows.append([peer, name, f"{rep_mod.LAYOUT_NAMES[f['layout']]} {f['mode']}: "
-                                 f"not measured: {f['reason'][:300]}", "-"])
+            for f in unique_failures(r.get("peer_failures", []), peer) if reason is None else []:
+                rows.append([peer, name, f"{rep_mod.LAYOUT_NAMES[f['layout']]} {f['mode']}: "
+                             f"not measured: {f['reason'][:300]}", "-"])
     if not rows:
         return ""
     return ("### Peers\n\nOther loaders run in the same scenarios where they install from the "

@@ -51,6 +51,26 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def by_repeat(runs: list[dict[str, Any]], key: str = "wall_s") -> dict[int, float]:
+    """``summary[key]`` of each run, by its repeat."""
+    return {r["repeat"]: r["summary"][key] for r in runs}
+
+
+def ratio_by_repeat(a: dict[int, float], b: dict[int, float]) -> float:
+    """Median over repeats of ``a[k] / b[k]``, each ratio taken within one repeat (side by side)."""
+    return median([a[k] / b[k] for k in a if k in b and b[k]])
+
+
+def unique_failures(failures: list[dict[str, Any]], method: str) -> list[dict[str, Any]]:
+    """``method``'s failures, one per (layout, mode, reason): a failure repeated in every repeat
+    is one row, not one per repeat."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for f in failures:
+        if f["method"] == method:
+            seen.setdefault((f["layout"], f["mode"], f["reason"]), f)
+    return list(seen.values())
+
+
 def fmt_bytes(n: float) -> str:
     if n != n:  # NaN
         return "-"

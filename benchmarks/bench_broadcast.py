@@ -10,12 +10,10 @@ start together after a barrier; each round runs every mode once). Replicated ite
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
+from _bench_cli import parser
+from _bench_ranks import rounds
 from dcp_broadcast import BroadcastItem, broadcast_items
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
@@ -23,17 +21,6 @@ from dcp_platform.testing import run_ranks
 WORLD = 4
 SMALL = [(1000, 4 * 1024), (500, 64 * 1024)]
 LARGE = (4, 64 * 1024 * 1024)  # 4 x 64 MiB
-
-
-def _once(fn) -> float:
-    """The slowest rank's seconds for one call of ``fn`` (ranks start after a barrier)."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    mine = time.perf_counter() - start
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return max(everyone)
 
 
 def _bench(rank: int, world: int, repeats: int) -> dict[str, float]:
@@ -62,17 +49,11 @@ def _bench(rank: int, world: int, repeats: int) -> dict[str, float]:
     cases["large torch loop"] = plain_loop(big)
     # Round robin: every mode runs once per round, so load changes on a shared machine hit
     # all modes alike; the figure is the median over rounds.
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            times[name].append(_once(fn))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return rounds(cases, repeats)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser(__doc__, repeats=3).parse_args()
     t = run_ranks(_bench, WORLD, args.repeats, timeout=600)[0]
     print(f"dcp-broadcast, {WORLD} gloo ranks, median of {args.repeats}, torch {torch.__version__}")
     print(f"{'items':<16} {'batched':>10} {'one/item':>10} {'torch loop':>11} {'one/item : batched':>19}")

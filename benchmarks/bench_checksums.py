@@ -21,7 +21,6 @@ of the report comes from ``tables``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -32,7 +31,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench_stats import fmt_bytes, median, table  # noqa: E402
+from _bench_cli import ints, parser, stamped  # noqa: E402
+from _bench_stats import fmt_bytes, median, ratio_by_repeat, table  # noqa: E402
 
 MiB = 1024 * 1024
 SHAPE = (4096, 4096)  # 32 MiB of bf16 per tensor: 8 checksum blocks
@@ -180,7 +180,7 @@ def _row(res: dict[str, Any], world: str) -> list[str]:
     loads = res["loads"][world]
     on = {rep: s for rep, v, s in loads if v}
     off = {rep: s for rep, v, s in loads if not v}
-    ratio = median([on[r] / off[r] for r in on if r in off])
+    ratio = ratio_by_repeat(on, off)
     label = "1 process (no_dist)" if world == "1" else f"{world} gloo ranks, DP"
     return [label, f"{median(list(on.values())):.3f}", f"{median(list(off.values())):.3f}", f"{ratio:.3f}",
             f"{(ratio - 1) * 100:+.1f} %"]
@@ -225,21 +225,17 @@ def _why(res: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, repeats=7, workdir="/tmp/dcp-bench-checksums", rank_timeout=True)
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--worlds", default="1,2,4", help="rank counts, comma-separated (1: no_dist)")
-    ap.add_argument("--workdir", default="/tmp/dcp-bench-checksums")
-    ap.add_argument("--rank-timeout", type=float, default=900.0)
     args = ap.parse_args()
     args.quick = False
-    args.worlds = [int(w) for w in args.worlds.split(",") if w]
+    args.worlds = ints(args.worlds)
     from _bench_launch import Launcher
 
     args.launcher = Launcher()
-    start = time.perf_counter()
     try:
-        res = run(args, lambda m: print(f"[{time.perf_counter() - start:6.1f}s] {m}", flush=True))
+        res = run(args, stamped(6))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
     print("\n".join(tables(res)))

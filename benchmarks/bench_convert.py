@@ -21,7 +21,6 @@ Run from the repository root (~10 GB of disk under --workdir, removed at the end
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _bench_cli import ints, names, parser, write_json  # noqa: E402
 from _bench_common import GiB, MiB, ModelSpec, spec_nbytes, warm_files, write_hf_checkpoint  # noqa: E402
 from _bench_fsdp import write_fsdp_checkpoint  # noqa: E402
 from _bench_launch import Launcher  # noqa: E402
@@ -204,18 +204,16 @@ def _same_file(x: Path, y: Path, block: int = 64 * MiB) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, workdir="/tmp/dcp-convert-bench", json_help="also write the rows here")
     ap.add_argument("--sizes", default="1,4", help="checkpoint sizes in GiB of float32")
     ap.add_argument("--methods", default="dcp-w1,dcp-w2,torch")
-    ap.add_argument("--workdir", default="/tmp/dcp-convert-bench")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints for another run")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     work = Path(args.workdir)
     launcher = Launcher()
     rows = []
     try:
-        for gib in map(int, args.sizes.split(",")):
+        for gib in ints(args.sizes):
             spec = spec_for(gib)
             hf, fsdp = work / f"hf-{gib}", work / f"fsdp4-{gib}"
             write_hf_checkpoint(hf, spec)
@@ -226,7 +224,7 @@ def main() -> None:
             print(f"== {nbytes / GiB:.2f} GiB float32 torch DCP checkpoint (FSDP, 4 ranks), {len(spec.tensors())} "
                   f"tensors -> HF bfloat16 shards of {SHARD}", flush=True)
             outs = {}
-            for method in args.methods.split(","):
+            for method in names(args.methods):
                 dst = work / f"out-{gib}-{method}"
                 shutil.rmtree(dst, ignore_errors=True)
                 os.sync()
@@ -257,8 +255,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ git commit and the load average, since the machine may be shared.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from _bench_cli import parser, write_json
 
 
 def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
@@ -111,18 +111,15 @@ def _commit() -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, repeats=5, repeats_help="time every rank role in this many passes, keep each role's "
+               "fastest (a shared machine's other jobs only ever add time)", json_help="write the rows here")
     p.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--greedy-up-to", type=int, default=4096, help="largest world for the gathered comparison")
-    p.add_argument("--repeats", type=int, default=5, help="time every rank role in this many passes, keep each "
-                   "role's fastest (a shared machine's other jobs only ever add time)")
-    p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     print(f"git {_commit()}; load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     rows = run(args.worlds, args.greedy_up_to, args.repeats)
     plot(rows, Path(__file__).parent / "plots" / "derived_plan_scaling.png")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ both methods are compared bit for bit. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -39,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _bench_cli import parser, write_json  # noqa: E402
 from _bench_common import MemorySampler, checkpoint_files, fadvise_dontneed, read_bytes  # noqa: E402
 from _bench_launch import Launcher  # noqa: E402
 from _bench_stats import fmt_bytes, median, table  # noqa: E402
@@ -222,12 +222,9 @@ def _summary(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~10 MiB instead of ~1 GiB")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per method, alternating (median shown)")
-    ap.add_argument("--workdir", default="/tmp/dcp-flat-bench")
-    ap.add_argument("--json", default=None, help="also write the results here")
-    args = ap.parse_args()
+    args = parser(__doc__, quick="~10 MiB instead of ~1 GiB", repeats=2,
+                  repeats_help="runs per method, alternating (median shown)", workdir="/tmp/dcp-flat-bench",
+                  json_help="also write the results here").parse_args()
 
     launcher = Launcher()
     ckpt = Path(args.workdir) / ("adamw-fsdp4-quick" if args.quick else "adamw-fsdp4")
@@ -258,8 +255,7 @@ def main() -> None:
           f"(goal <= {MEMORY_GOAL}), bytes read {d['read_ratio']:.4f} x needed (goal <= {READ_GOAL}); "
           f"reader's own count {max(r['reader'] / r['needed'] for r in d['per_rank']):.4f} x needed; "
           f"buffers identical; load average {os.getloadavg()[0]:.1f} at end")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"results": res, "state_bytes": state_bytes}, indent=1))
+    write_json(args.json, {"results": res, "state_bytes": state_bytes})
 
 
 if __name__ == "__main__":

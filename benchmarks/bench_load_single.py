@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from _bench_common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint
-from _bench_stats import fmt_bytes, median, summarise, table
-from bench_load_replicated import model_dir, model_spec
+from _bench_layouts import model_dir, model_spec
+from _bench_stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
 
 METHODS = {"dcp": "dcp (no_dist)", "safetensors": "safetensors load_file + copy",
            "torch": "torch DCP HF reader (no_dist)"}
@@ -50,13 +50,13 @@ def _rs(res: dict[str, Any], m: str, mode: str) -> list[dict[str, Any]]:
 def tables(res: dict[str, Any]) -> list[str]:
     rows = []
     for mode in ("warm", "cold"):
-        base = {r["repeat"]: r["summary"]["wall_s"] for r in _rs(res, "torch", mode)}
+        base = by_repeat(_rs(res, "torch", mode))
         for m, label in METHODS.items():
             rs = _rs(res, m, mode)
             if not rs:
                 continue
             walls = [r["summary"]["wall_s"] for r in rs]
-            ratio = median([r["summary"]["wall_s"] / base[r["repeat"]] for r in rs if r["repeat"] in base])
+            ratio = ratio_by_repeat(by_repeat(rs), base)
             rows.append([mode, label, f"{median(walls):.3f}", f"{ratio:.2f}",
                          f"{res['unique_bytes'] / median(walls) / 1e9:.2f}",
                          fmt_bytes(median([r["summary"]["read_bytes_total"] for r in rs])),

@@ -23,7 +23,7 @@ from _bench_common import (
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_stats import fmt_bytes, median, summarise, table
+from _bench_stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
 
 VARIANTS = {  # name -> (Run.method, broadcast_batch_bytes)
     "dcp batched (6 MiB)": ("dcp", 6 * MiB),
@@ -70,14 +70,12 @@ def _med(res: dict[str, Any], name: str, key: str) -> float:
 def tables(res: dict[str, Any]) -> list[str]:
     names = list(dict.fromkeys(r["variant"] for r in res["runs"]))
     torch_name = "torch DCP (HF reader)"
-    by_rep: dict[str, dict[int, float]] = {}
-    for r in res["runs"]:
-        by_rep.setdefault(r["variant"], {})[r["repeat"]] = r["summary"]["wall_s"]
+    by_rep = {n: by_repeat([r for r in res["runs"] if r["variant"] == n]) for n in names}
     rows = []
     for n in names:
         ratio = "-"
         if torch_name in by_rep:
-            ratio = f"{median([v / by_rep[torch_name][k] for k, v in by_rep[n].items() if k in by_rep[torch_name]]):.2f}"
+            ratio = f"{ratio_by_repeat(by_rep[n], by_rep[torch_name]):.2f}"
         bc = _med(res, n, "report_broadcasts_max")
         rows.append([n, f"{_med(res, n, 'wall_s'):.3f}", ratio,
                      f"{_med(res, n, 'data_collectives_max'):.0f}",

@@ -20,18 +20,18 @@ from typing import Any
 
 import _bench_throttle as throttle
 from _bench_common import Run
-from _bench_stats import fmt_bytes, median, table
-from bench_load_replicated import (
+from _bench_layouts import (
     LAYOUT_NAMES,
     LAYOUTS,
     METHOD_NAMES,
     METHOD_RUN,
     SOURCES,
-    _rpn,
     peer_status,
-    prepare_checkpoints,
+    ranks_per_node,
     run_one,
 )
+from _bench_stats import fmt_bytes, median, table
+from bench_load_replicated import prepare_checkpoints
 
 SCENARIOS = ("node", "shared")
 SCENARIO_NAMES = {"node": "per-node link", "shared": "shared file system"}
@@ -64,7 +64,7 @@ def _layout(args: Any, log: Any, rep: int, bps: int, scen: str, lay: str, spec: 
             runs: list[dict[str, Any]], failures: list[dict[str, Any]]) -> None:
     dp, tp = LAYOUTS[lay]
     world = dp * tp
-    rpn = _rpn(args, lay)
+    rpn = ranks_per_node(args, lay)
     src = sources[SOURCES.get(lay, "hf")]
     dirs = tuple(src["dirs"][: world // rpn])
     names = [f"node{k}" for k in range(len(dirs))] if scen == "node" else ["shared"]

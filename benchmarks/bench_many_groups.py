@@ -12,11 +12,12 @@ that does not.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import tempfile
 import time
 from typing import Any
+
+from _bench_cli import ints, parser
+from _bench_stats import median
 
 NAMES = [f"w{i}" for i in range(8)]
 
@@ -44,8 +45,8 @@ def _ranks(rank: int, world: int, dcp_path: str, torch_path: str, steps: list[in
             t = time.perf_counter()
             tdcp.load(state, checkpoint_id=torch_path)
             torch_s.append(time.perf_counter() - t)
-        phase = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
-        rows.append((made, statistics.median(dcp_s), statistics.median(torch_s), phase))
+        phase = {k: median([p.get(k, 0.0) for p in phases]) for k in phases[0]}
+        rows.append((made, median(dcp_s), median(torch_s), phase))
     return rows
 
 
@@ -55,11 +56,11 @@ def main() -> None:
     import torch.distributed.checkpoint as tdcp
     from dcp_platform.testing import run_ranks
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--groups", default="0,300,1200", help="group counts to measure at, ascending")
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args()
-    steps = sorted(int(g) for g in args.groups.split(","))
+    steps = sorted(ints(args.groups))
     with tempfile.TemporaryDirectory() as root:
         state = {n: torch.randn(64, 64) for n in NAMES}
         dcp_load.save(state, checkpoint_id=f"{root}/dcp", no_dist=True)

@@ -12,28 +12,24 @@ The fused copy is platform.fused_copy(dsts, srcs) against `for d, s: d.copy_(s)`
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
-import torch.distributed as dist
+from _bench_cli import parser
+from _bench_ranks import slowest
+from _bench_stats import median
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
 
 
 def _timed_broadcast(p, buf: torch.Tensor, reps: int) -> float:
     """Median over reps of the slowest rank's barrier-to-completion time, in seconds."""
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
+    def once() -> None:
         h = p.broadcast(buf, 0)
         if h is not None:
             h.wait()
-        times.append(time.perf_counter() - t0)
-    slowest = [max(ts) for ts in zip(*p.all_gather_object(times), strict=True)]
-    return statistics.median(slowest)
+
+    return median([slowest(once) for _ in range(reps)])
 
 
 def _fused_vs_loop(p, pairs: int, nbytes: int, reps: int) -> tuple[float, float]:
@@ -49,7 +45,7 @@ def _fused_vs_loop(p, pairs: int, nbytes: int, reps: int) -> tuple[float, float]
         t2 = time.perf_counter()
         fused.append(t1 - t0)
         loop.append(t2 - t1)
-    return statistics.median(fused), statistics.median(loop)
+    return median(fused), median(loop)
 
 
 def _bench(rank: int, world: int, sizes: list[int], reps: int) -> dict:
@@ -75,7 +71,7 @@ def _fmt_size(n: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)

@@ -22,7 +22,6 @@ temporary directory under /tmp and deleted afterwards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -32,6 +31,7 @@ import time
 
 import numpy as np
 import torch
+from _bench_cli import parser
 from dcp_reader import CheckpointMetadata, ChunkMeta, NativeWriter, TensorMeta, chunk_key, open_checkpoint
 from dcp_reader.formats._safetensors_file import read_header_at
 from safetensors.torch import load_file, save_file
@@ -167,7 +167,7 @@ def per_read_overhead(root: str, shapes, n: int = 3000) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--files", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)

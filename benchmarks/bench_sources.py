@@ -29,7 +29,6 @@ against the files. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -40,21 +39,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _bench_cli import parser, write_json  # noqa: E402
 from _bench_common import (  # noqa: E402
     MemorySampler,
     MiB,
-    checkpoint_files,
     copy_checkpoint,
-    fadvise_dontneed,
     now,
     read_bytes,
-    warm_files,
+    set_cache,
+    warmup_spec,
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
 from _bench_launch import Launcher  # noqa: E402
+from _bench_layouts import model_spec  # noqa: E402
 from _bench_stats import median, summarise  # noqa: E402
-from bench_load_replicated import model_spec  # noqa: E402
 
 DP, TP, NODES = 2, 2, 2
 KV_HEADS = 4  # ModelSpec: 4 KV heads (of 128 at full size, of 32 with --quick)
@@ -158,7 +157,6 @@ def rank_main(rank: int, world: int, method: str, spec: Any, copies: list[str], 
 
     import torch
     import torch.distributed as dist
-    from _bench_common import warmup_spec
     from torch.distributed.device_mesh import init_device_mesh
 
     warnings.simplefilter("ignore")  # torch DCP's HF reader warns about details
@@ -209,13 +207,9 @@ def _check_layer0(spec: Any, local: dict[str, Any], tp_rank: int, ckpt: str, met
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~34 MiB model instead of 1.08 GiB")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = parser(__doc__, quick="~34 MiB model instead of 1.08 GiB", repeats=3, workdir="/tmp/dcp-sources-bench",
+                rank_timeout=True, json_help="also write the results here")
     ap.add_argument("--warm", action="store_true", help="page cache warm instead of evicted before each load")
-    ap.add_argument("--workdir", default="/tmp/dcp-sources-bench")
-    ap.add_argument("--rank-timeout", type=float, default=900.0)
-    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     spec = model_spec(args.quick)
     work = Path(args.workdir)
@@ -225,7 +219,6 @@ def main() -> None:
     copies = [hf] + [hf.with_name(f"{hf.name}-node{k}") for k in range(1, NODES)]
     for c in copies[1:]:
         copy_checkpoint(hf, c)
-    files = [f for d in copies for f in checkpoint_files(d)]
     launcher = Launcher()
     print(f"unique bytes {unique / MiB:.1f} MiB; {NODES} node copies; load average "
           f"{os.getloadavg()[0]:.1f}; cache {'warm' if args.warm else 'evicted before each load'}", flush=True)
@@ -233,12 +226,7 @@ def main() -> None:
     digests: dict[str, set[tuple[str, ...]]] = {}
     for rep in range(args.repeats):
         for method in ("dcp", "two-step"):
-            if args.warm:
-                for d in copies:
-                    warm_files(d)
-            else:
-                os.sync()
-                fadvise_dontneed(files)
+            set_cache(copies, args.warm)
             per_rank = launcher.run(rank_main, DP * TP, method, spec, [str(c) for c in copies], str(hf),
                                     warm_dir, timeout=args.rank_timeout)
             s = summarise(per_rank)
@@ -266,8 +254,7 @@ def main() -> None:
           f"peak extra memory {med['dcp']['extra_anon_max_mib'] / med['two-step']['extra_anon_max_mib']:.2f}"
           f" x (goal <= 0.5), storage bytes dcp {med['dcp']['storage_over_unique']:.3f} x unique, two-step "
           f"{med['two-step']['storage_over_unique']:.3f} x; fused shards identical on every rank")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"unique_bytes": unique, "runs": rows, "median": med}, indent=1))
+    write_json(args.json, {"unique_bytes": unique, "runs": rows, "median": med})
 
 
 if __name__ == "__main__":

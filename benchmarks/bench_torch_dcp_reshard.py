@@ -21,29 +21,27 @@ against the HF files. Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _bench_cli import names, parser, write_json  # noqa: E402
 from _bench_common import (  # noqa: E402
     MiB,
     Run,
-    checkpoint_files,
     copy_checkpoint,
-    fadvise_dontneed,
     rank_load,
-    warm_files,
+    set_cache,
+    warmup_spec,
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
 from _bench_fsdp import write_fsdp_checkpoint  # noqa: E402
 from _bench_launch import Launcher  # noqa: E402
+from _bench_layouts import model_spec  # noqa: E402
 from _bench_stats import summarise  # noqa: E402
-from bench_load_replicated import model_spec  # noqa: E402
 
 DP, TP, NODES = 2, 2, 2
 MEMORY_GOAL = 6 * MiB * 8 + 64 * MiB  # load()'s default batch x its broadcasts in flight + 64 MiB
@@ -57,8 +55,6 @@ def prepare(args: argparse.Namespace, launcher: Launcher) -> tuple[object, int, 
     warm_hf = Path(write_warmup_checkpoint(work, spec))
     fsdp = hf.with_name(hf.name + "-fsdp4")
     warm = warm_hf.with_name(warm_hf.name + "-fsdp4")
-    from _bench_common import warmup_spec
-
     write_fsdp_checkpoint(launcher, hf, fsdp, spec, args.rank_timeout)
     write_fsdp_checkpoint(launcher, warm_hf, warm, warmup_spec(spec), args.rank_timeout)
     nodes = [fsdp] + [fsdp.with_name(f"{fsdp.name}-node{k}") for k in range(1, NODES)]
@@ -68,32 +64,22 @@ def prepare(args: argparse.Namespace, launcher: Launcher) -> tuple[object, int, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="~34 MiB model instead of 1.08 GiB")
+    ap = parser(__doc__, quick="~34 MiB model instead of 1.08 GiB", repeats=1, workdir="/tmp/dcp-reshard-bench",
+                rank_timeout=True, json_help="also write the results here")
     ap.add_argument("--methods", default="dcp-auto,dcp,torch", help="comma-separated _bench_loaders methods")
-    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warm", action="store_true",
                     help="page cache warm (every copy read first) instead of evicted before each load")
-    ap.add_argument("--workdir", default="/tmp/dcp-reshard-bench")
-    ap.add_argument("--rank-timeout", type=float, default=900.0)
-    ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     launcher = Launcher()
     spec, unique, hf, nodes, warm = prepare(args, launcher)
-    files = [f for d in nodes for f in checkpoint_files(d)]
     print(f"unique bytes {unique / MiB:.1f} MiB; {len(nodes)} node copies of {nodes[0]}")
     results = []
     for rep in range(args.repeats):
-        for method in args.methods.split(","):
+        for method in names(args.methods):
             run = Run(method=method, spec=spec, dp=DP, tp=TP, ckpt_dirs=tuple(map(str, nodes)),
                       ranks_per_node=TP, cold=False, simulate_hosts=True, fmt="torch_dcp",
                       verify_dir=str(hf), warmup_dir=warm)
-            if args.warm:
-                for d in nodes:
-                    warm_files(d)
-            else:
-                os.sync()
-                fadvise_dontneed(files)
+            set_cache(nodes, args.warm)
             per_rank = launcher.run(rank_load, DP * TP, run, timeout=args.rank_timeout)
             s = summarise(per_rank)
             row = {"method": method, "repeat": rep, "wall_s": s["wall_s"],
@@ -111,8 +97,7 @@ def main() -> None:
                   f"peak extra anon {row['extra_anon_max_mib']:.1f} MiB (goal {MEMORY_GOAL / MiB:.0f})  "
                   f"verified {row['verified']} tensors", flush=True)
             time.sleep(0.5)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"unique_bytes": unique, "runs": results}, indent=1))
+    write_json(args.json, {"unique_bytes": unique, "runs": results})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shutil
@@ -42,6 +41,7 @@ import bench_load_replicated  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
 import bench_load_throttled  # noqa: E402
+from _bench_cli import RANK_TIMEOUT_S, ints, names, stamped, write_json  # noqa: E402
 from _bench_common import MiB, can_drop_caches  # noqa: E402
 from _bench_launch import Launcher  # noqa: E402
 from _bench_throttle import parse_bps  # noqa: E402
@@ -95,19 +95,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
     ap.add_argument("--verify-all", action="store_true",
                     help="check loaded values after every run (default: the first repeat only)")
-    ap.add_argument("--rank-timeout", type=float, default=900.0, help="seconds per multi-rank run")
+    ap.add_argument("--rank-timeout", type=float, default=RANK_TIMEOUT_S, help="seconds per multi-rank run")
     a = ap.parse_args(argv)
-    a.scenarios = [s for s in a.scenarios.split(",") if s]
-    a.layouts = [s for s in a.layouts.split(",") if s]
-    a.modes = [s for s in a.modes.split(",") if s]
-    a.methods = [s for s in a.methods.split(",") if s]
-    a.cold_methods = [s for s in a.cold_methods.split(",") if s]
-    a.coldhost_methods = [s for s in a.coldhost_methods.split(",") if s]
-    a.plan_ranks = [int(s) for s in a.plan_ranks.split(",") if s]
-    a.throttle_layouts = [s for s in a.throttle_layouts.split(",") if s]
-    a.throttle_methods = [s for s in a.throttle_methods.split(",") if s]
+    for key in ("scenarios", "layouts", "modes", "methods", "cold_methods", "coldhost_methods",
+                "throttle_layouts", "throttle_methods"):
+        setattr(a, key, names(getattr(a, key)))
+    a.plan_ranks = ints(a.plan_ranks)
     try:
-        a.throttle_bps = [parse_bps(s) for s in a.throttle_bps.split(",") if s]
+        a.throttle_bps = [parse_bps(s) for s in names(a.throttle_bps)]
     except ValueError as e:
         ap.error(str(e))
     for s in a.scenarios:
@@ -172,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     start = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+    log = stamped(7)
 
     if any(s in args.scenarios for s in ("replicated", "throttled", "single")) and not can_drop_caches():
         log("cannot write /proc/sys/vm/drop_caches (not root?): cold runs evict the checkpoint "
@@ -216,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out_dir: Path, stamp: str, results: dict[str, Any]) -> None:
-    data = json.dumps(results, indent=1, default=str)
-    (out_dir / f"{stamp}.json").write_text(data)
-    (out_dir / "latest.json").write_text(data)
+    for name in (f"{stamp}.json", "latest.json"):
+        write_json(out_dir / name, results)
 
 
 if __name__ == "__main__":
