@@ -13,6 +13,7 @@ from .run._report import LoadReport
 from .saving._async import async_save
 from .saving._save import SaveReport, save
 from .saving._staging import release_staging
+from .transfer._transfer import TransferReport, transfer
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -29,6 +30,7 @@ __all__ = [
     "SaveReport",
     "Slice",
     "Stack",
+    "TransferReport",
     "__version__",
     "async_save",
     "build_global_plan",
@@ -38,4 +40,5 @@ __all__ = [
     "read_state_dict",
     "release_staging",
     "save",
+    "transfer",
 ]

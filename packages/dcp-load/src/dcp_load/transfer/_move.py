@@ -1,0 +1,132 @@
+"""Running a transfer plan on one rank: local copies, then one ``broadcast_items`` per round.
+
+Sources are only read: a piece sent from a strided source alone (not packed) or in another
+dtype is first copied into a staging tensor here, since the platform would otherwise send
+it through a temporary that it copies back into the source after the wait. A receiver
+whose piece arrives in another dtype, or into a destination that has no aliasing views,
+receives into staging and copies into place after its round. The rounds of the plan bound
+that staging (``_planner._rounds``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..layouts._targets import Target
+from ..plan._owners import dtype_itemsize
+from ._planner import TransferPiece, TransferPlan
+
+__all__ = ["MoveStats", "mine", "move"]
+
+
+@dataclass
+class MoveStats:
+    """What this rank moved in one transfer."""
+
+    broadcasts: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    pieces: int = 0
+    seconds: float = 0.0
+
+
+def mine(plan: TransferPlan, rank: int, subgroups: bool) -> list[list[TransferPiece]]:
+    """Per round, the pieces this rank walks: those it takes part in when the platform
+    broadcasts over exact groups (the others' broadcasts do not involve it), else all."""
+    return [[p for p in plan.pieces[a:b] if not subgroups or rank in p.ranks] for a, b in plan.rounds]
+
+
+def _src_view(target: Target, piece: TransferPiece) -> Any:
+    view = target.view(piece.src_offsets, piece.src_sizes)
+    for d in piece.insert:  # dimensions a Stack added: size 1
+        view = view.unsqueeze(d)
+    return view
+
+
+def _contiguous(tensor: Any) -> bool:
+    test = getattr(tensor, "is_contiguous", None)
+    return test is None or bool(test())
+
+
+class _Round:
+    """The broadcast items of one round on this rank, and the copies to make after it."""
+
+    def __init__(self, platform: Any, rank: int, batch_bytes: int, stats: MoveStats):
+        self.platform, self.rank, self.batch_bytes, self.stats = platform, rank, batch_bytes, stats
+        self.items: list[Any] = []
+        self.after: list[tuple[Target, Any, Any]] = []  # (target, destination view, staging)
+
+    def _staging(self, piece: TransferPiece) -> Any:
+        return self.platform.empty(piece.sizes, self.platform.dtype_from_name(piece.wire))
+
+    def add(self, piece: TransferPiece, src: Mapping[str, Target], dst: Mapping[str, Target]) -> None:
+        from dcp_broadcast import BroadcastItem
+
+        if self.rank not in piece.ranks:
+            self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes))
+            return
+        self.stats.pieces += 1
+        if self.rank == piece.holder:
+            source = src[piece.src]
+            view = _src_view(source, piece)
+            if self.rank in piece.receivers:  # a holder that needs the piece copies it
+                target = dst[piece.dst]
+                target.adapter.copy(target.view(piece.offsets, piece.sizes), view)
+                self.stats.bytes_copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
+            if len(piece.ranks) == 1:
+                return
+            tensor = view
+            if piece.wire != piece.src_dtype or (piece.nbytes >= self.batch_bytes and not _contiguous(view)):
+                tensor = self._staging(piece)
+                source.adapter.copy(tensor, view)
+            self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes, tensor))
+            return
+        target = dst[piece.dst]
+        view = target.view(piece.offsets, piece.sizes)
+        tensor = view
+        if piece.wire != piece.dst_dtype or not target.in_place(piece.offsets, piece.sizes):
+            tensor = self._staging(piece)
+            self.after.append((target, view, tensor))
+        self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes, tensor))
+
+    def run(self, groups: Any, max_in_flight: int, watch: Any) -> None:
+        if self.items:
+            from dcp_broadcast import broadcast_items
+
+            got = broadcast_items(self.platform, self.items, batch_bytes=self.batch_bytes,
+                                  max_in_flight=max_in_flight, groups=groups, watch=watch)
+            self.stats.broadcasts += got.broadcasts
+            self.stats.bytes_sent += got.bytes_sent
+            self.stats.bytes_received += got.bytes_received
+        if self.after:
+            self.platform.synchronize()
+            for target, view, staging in self.after:
+                target.adapter.copy(view, staging)
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def move(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
+         dst: Mapping[str, Target], *, batch_bytes: int, max_in_flight: int, groups: Any,
+         watch: Any) -> MoveStats:
+    """Copy and broadcast this rank's pieces, round by round (``rounds``: from ``mine``)."""
+    stats = MoveStats()
+    start = time.perf_counter()
+    rank = platform.rank()
+    for pieces in rounds:
+        step = _Round(platform, rank, batch_bytes, stats)
+        for piece in pieces:
+            step.add(piece, src, dst)
+        step.run(groups, max_in_flight, watch)
+    platform.synchronize()
+    stats.seconds = time.perf_counter() - start
+    return stats

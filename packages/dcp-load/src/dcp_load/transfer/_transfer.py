@@ -1,0 +1,323 @@
+"""``transfer``: move live tensors from the ranks that hold them into other ranks' layouts.
+
+A trainer's shards are a checkpoint whose chunks sit in other ranks' memory: the ranks
+gather what each holds and wants once (``_layout``), plan who sends each piece
+(``_planner``), and move the pieces with batched broadcasts (``_move``). The plan, the
+targets' shardings and the broadcast groups are kept per layout: a later transfer between
+the same layouts (the reinforcement-learning loop's case) costs one all-reduce of a digest
+before the data moves, and a changed layout on any rank is planned anew on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_platform import PeerFailure
+
+from .._errors import LoadError
+from .._load import DEFAULT_BATCH_BYTES, resolve_platform
+from ..layouts._sources import SourceMap
+from ..layouts._targets import Target
+from ..plan._digest import all_reduce, digest
+from ..run._coordinate import Coordinator, timeout_seconds, unusable_cause
+from ..run._validate import exchange
+from ._layout import Side, build_targets, entries, side_of, signature, with_locals
+from ._move import MoveStats, mine, move
+from ._planner import TransferPlan, plan_transfer
+
+__all__ = ["TransferReport", "transfer"]
+
+logger = logging.getLogger(__name__)
+
+#: Broadcasts in flight per rank (dcp-broadcast's default: its README measures it).
+MAX_IN_FLIGHT = 8
+
+#: Plans kept per process (one per pair of layouts: a job that moves a policy's and a
+#: reference model's weights keeps both); the oldest is dropped, with its groups.
+MAX_PLANS = 4
+
+# Every call counts, so that the n-th transfer of every rank shares one watch name.
+_SLOTS = itertools.count()
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """One rank's account of one ``transfer``.
+
+    ``bytes_kept``: bytes of the boxes this rank's ``dst`` holds (what it was filled with).
+    ``bytes_received`` / ``bytes_sent``: bytes that reached this rank by broadcast / that it
+    sent (in the dtype that travelled: the narrower of source and destination).
+    ``bytes_copied``: bytes this rank copied from its own ``src`` into its own ``dst``.
+    ``broadcasts``: broadcasts this rank took part in; ``collectives``: those and the
+    control collectives (the plan check, the planning exchange of a new layout, the final
+    check). ``plan_reused``: the plan of an earlier transfer between the same layouts was
+    used (no planning exchange). ``cast``: destinations filled from another dtype;
+    ``composed``: (destination, source tensors) of each destination ``sources=`` mapped.
+    ``skipped_not_in_mesh``: DTensor entries whose mesh leaves this rank out.
+    ``seconds``: ``plan`` (from entry to the plan agreed), ``execute``, ``total``.
+    """
+
+    rank: int
+    world_size: int
+    tensors_held: int
+    tensors_filled: int
+    bytes_kept: int
+    bytes_received: int
+    bytes_sent: int
+    bytes_copied: int
+    broadcasts: int
+    collectives: int
+    pieces: int
+    plan_reused: bool
+    job_bytes_sent: int
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    cast: tuple[str, ...] = ()
+    composed: tuple[tuple[str, int], ...] = ()
+    skipped_not_in_mesh: tuple[str, ...] = ()
+
+
+@dataclass
+class _Entry:
+    """A plan kept for reuse, with the targets it was made from and its groups."""
+
+    job: int
+    plan: TransferPlan
+    src: dict[str, Target]
+    dst: dict[str, Target]
+    rounds: list[Any]
+    groups: Any
+    world: Any
+    outside: tuple[str, ...]
+    sets: list[tuple[int, ...]]
+
+
+_PLANS: OrderedDict[int, _Entry] = OrderedDict()
+
+
+def _default_group() -> Any:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_group()
+
+
+def _drop(entry: _Entry) -> None:
+    # Every rank drops the same plans at the same call (their caches follow one agreed
+    # sequence), after every broadcast on these groups has completed (the final check).
+    if entry.world is _default_group():
+        entry.groups.close(wait_for_peers=False, raise_errors=False)
+
+
+def _check_arguments(batch_bytes: Any, max_in_flight: Any, timeout: Any) -> None:
+    for what, value, low in (("batch_bytes", batch_bytes, 0), ("max_in_flight", max_in_flight, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"transfer: {what} must be an int >= {low}, got {value!r}")
+    if timeout is not None:
+        timeout_seconds(timeout, "transfer")
+
+
+#: Staging a rank holds at once for cast and lone strided pieces, per round of the plan
+#: (``_planner._rounds``), as a multiple of ``batch_bytes``: the scheduler's own bound is
+#: ``batch_bytes`` x ``max_in_flight``; this keeps the transfer's staging at that size.
+STAGE_BATCHES = 8
+
+
+def transfer(
+    src: Mapping[Any, Any] | None,
+    dst: Mapping[Any, Any] | None,
+    *,
+    sources: Mapping[str, Any] | None = None,
+    allow_dtype_cast: bool = True,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    max_in_flight: int = MAX_IN_FLIGHT,
+    platform: Any = None,
+    timeout: Any = None,
+    keep_plan: bool = True,
+) -> TransferReport:
+    """Fill ``dst`` in place with the values that the ranks' ``src`` hold; call on every rank.
+
+    ``src``: what this rank holds (DTensors on any mesh, plain tensors standing for the
+    whole tensor, ``Chunk``s, ``Flat`` buffers; nested mappings allowed), or None. ``dst``:
+    what this rank must fill, of the same kinds, or None. A rank may pass both (a trainer
+    and an engine on the same ranks). ``src`` is never written. Each destination box is
+    cut along the boxes the ranks hold; each piece is sent by one holder (a receiver that
+    holds it copies locally), to every rank that wants it, in broadcasts over the holder
+    and its receivers, small pieces packed below ``batch_bytes`` (0: none), at most
+    ``max_in_flight`` in flight.
+
+    ``sources``: ``{destination key: source}`` as in ``load`` (a name of a ``src`` tensor,
+    ``Concat``, ``Stack`` or ``Slice``; ``{name}`` placeholders). ``allow_dtype_cast``:
+    destinations of another dtype are cast (the narrower dtype travels); ``False`` refuses.
+    ``timeout``: how long the ranks wait for each other (as ``load``'s). ``keep_plan``:
+    keep the plan, the shardings and the broadcast groups for the next transfer between the
+    same layouts (checked by one all-reduce of a digest on every call; a change on any rank
+    plans again everywhere); ``False`` forgets them after this call.
+
+    Every problem (a destination no rank holds, shapes that differ, a cast refused, ranks
+    passing different settings) raises ``LoadError`` on every rank before any destination
+    is written. Returns this rank's ``TransferReport``.
+    """
+    _check_arguments(batch_bytes, max_in_flight, timeout)
+    slot = next(_SLOTS)
+    start = time.perf_counter()
+    src_side, dst_side = side_of("src", src), side_of("dst", dst)
+    errors: list[str] = []
+    source_map = None
+    if sources is not None:
+        try:
+            source_map = SourceMap(sources, owner="transfer")
+        except (TypeError, ValueError) as exc:  # through the exchange: every rank raises
+            errors.append(f"{type(exc).__name__}: {exc}")
+    try:
+        platform = resolve_platform(platform, [*src_side.leaves, *dst_side.leaves])
+    except Exception as exc:  # noqa: BLE001 - reported through the exchange, so no rank waits for this one
+        from .._load import _fallback_platform
+
+        platform = _fallback_platform(exc)
+        errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
+    collective = platform.is_distributed()
+    coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
+                        timeout=timeout_seconds(timeout, "transfer", platform=platform))
+    settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), repr(sources), STAGE_BATCHES)
+    with coord:
+        coord.phase = "validate"
+        coord.arrive()
+        return _transfer(coord, platform, collective, src_side, dst_side, errors, settings, source_map,
+                         keep_plan=keep_plan, start=start)
+
+
+def _split(value: int) -> list[int]:
+    return [value >> 31, value & ((1 << 31) - 1)]
+
+
+def _agree(coord: Coordinator, platform: Any, collective: bool, key: int, failed: bool) -> _Entry | None:
+    """The kept plan of this layout when every rank has one and all are the same plan
+    (one all-reduce: the MAX of the plan digests and of their negations must both equal
+    each rank's own), else None (every rank alike)."""
+    entry = _PLANS.get(key)
+    if entry is not None and entry.world is not _default_group():
+        del _PLANS[key]  # made over a process group that was destroyed since
+        entry = None
+    miss = entry is None or failed
+    if not collective:
+        return None if miss else entry
+    parts = _split(entry.job if entry is not None else 0)
+    lanes = all_reduce(platform, [int(miss), *parts, *(-p for p in parts)], "max", coord.waiter)
+    same = lanes[0] == 0 and lanes[1:3] == parts and lanes[3:5] == [-p for p in parts]
+    return entry if same else None
+
+
+def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
+              key: int, settings: tuple[Any, ...], source_map: SourceMap | None) -> _Entry:
+    """Gather every rank's layout (one all-gather), check it and plan; every problem raises
+    ``LoadError`` on every rank before anything is written."""
+    from dcp_broadcast import GroupManager
+
+    caps = platform.capabilities
+    build_targets(src, caps)
+    build_targets(dst, caps)
+    errors = [*errors, *src.errors, *dst.errors]
+    gathered = coord.exchange(exchange, errors, "validate", collective=collective,
+                              payload=(entries(src), entries(dst), key, settings))
+    if len({g[3] for g in gathered}) > 1:
+        raise LoadError({r: [f"transfer settings (batch_bytes, max_in_flight, allow_dtype_cast, sources, "
+                             f"staging) {g[3]!r:.300} differ from rank 0's {gathered[0][3]!r:.300}; every rank "
+                             "must pass the same settings"] for r, g in enumerate(gathered) if g[3] != gathered[0][3]},
+                        "validate")
+    batch_bytes = settings[0]
+    plan = plan_transfer([(g[0], g[1]) for g in gathered], source_map=source_map, allow_cast=settings[2],
+                         batch_bytes=batch_bytes, stage_bytes=max(batch_bytes, 1 << 20) * STAGE_BATCHES)
+    me = platform.rank() if collective else 0
+    if plan.errors:  # the same on every rank: the exchange raises it everywhere, naming each rank
+        coord.exchange(exchange, plan.errors.get(me, []), "validate", collective=collective)
+        raise LoadError(plan.errors, "validate")  # not reached: every rank has the same errors
+    return _Entry(job=digest(tuple(g[2] for g in gathered)), plan=plan, src=src.targets, dst=dst.targets,
+                  rounds=mine(plan, me, caps.subgroups), groups=GroupManager(platform, watch=coord.waiter),
+                  world=_default_group(), outside=(*src.outside, *dst.outside),
+                  sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
+
+
+def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str, Target],
+             dst: Mapping[str, Target], *, fresh: bool, batch_bytes: int, max_in_flight: int) -> MoveStats:
+    """This rank's copies and broadcasts (phase ``execute``); a failure here is named to
+    every rank by the coordinator."""
+    coord.phase = "execute"
+    try:
+        if fresh:  # each rank names the groups it is in; later transfers find them made
+            entry.groups.ensure(entry.sets, own=True)
+        return move(platform, entry.rounds, src, dst, batch_bytes=batch_bytes, max_in_flight=max_in_flight,
+                    groups=entry.groups, watch=coord.waiter)
+    except PeerFailure:
+        raise  # another rank's failure: the coordinator names it
+    except Exception as exc:
+        raise LoadError({platform.rank(): [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+
+
+def _keep(key: int, entry: _Entry) -> None:
+    _PLANS[key] = entry
+    _PLANS.move_to_end(key)
+    while len(_PLANS) > MAX_PLANS:
+        _drop(_PLANS.popitem(last=False)[1])
+
+
+def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
+              settings: tuple[Any, ...], source_map: SourceMap | None, *, keep_plan: bool,
+              start: float) -> TransferReport:
+    """``transfer`` once every rank arrived: agree on a kept plan or plan anew, move, check."""
+    key = digest(signature(src), signature(dst), settings)
+    entry = _agree(coord, platform, collective, key, bool(errors) or unusable_cause() is not None)
+    reused = entry is not None
+    control = int(collective)
+    if entry is None:
+        entry = _new_plan(coord, platform, collective, src, dst, errors, key, settings, source_map)
+        control += int(collective)
+        src_t, dst_t = entry.src, entry.dst
+    else:
+        src_t, dst_t = with_locals(src, entry.src), with_locals(dst, entry.dst)
+    planned = time.perf_counter()
+    done = False
+    try:
+        stats = _execute(coord, platform, entry, src_t, dst_t, fresh=not reused, batch_bytes=settings[0],
+                         max_in_flight=settings[1])
+        (job_sent,) = coord.check([], "execute", collective=collective, sums=(stats.bytes_sent,))
+        done = True
+    finally:
+        if not done or not keep_plan:
+            _PLANS.pop(key, None)
+            entry.groups.close(wait_for_peers=done, raise_errors=done)
+    if keep_plan and not reused:
+        _keep(key, entry)
+    control += int(collective)
+    return _report(platform, collective, entry, dst_t, stats, reused=reused, control=control, job_sent=job_sent,
+                   seconds={"plan": planned - start, "execute": stats.seconds,
+                            "total": time.perf_counter() - start})
+
+
+def _report(platform: Any, collective: bool, entry: _Entry, dst: Mapping[str, Target], stats: MoveStats, *,
+            reused: bool, control: int, job_sent: int, seconds: dict[str, float]) -> TransferReport:
+    from ..plan._owners import dtype_itemsize
+
+    rank = platform.rank() if collective else 0
+    report = TransferReport(
+        rank=rank, world_size=platform.world_size() if collective else 1, tensors_held=len(entry.src),
+        tensors_filled=len(entry.dst), bytes_kept=sum(t.numel * dtype_itemsize(t.dtype) for t in dst.values()),
+        bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent, bytes_copied=stats.bytes_copied,
+        broadcasts=stats.broadcasts, collectives=stats.broadcasts + control, pieces=stats.pieces,
+        plan_reused=reused, job_bytes_sent=job_sent, seconds=seconds,
+        cast=tuple(sorted(n for n in entry.plan.cast if n in dst)),
+        composed=tuple((n, c) for n, c in entry.plan.composed.items() if n in dst),
+        skipped_not_in_mesh=entry.outside)
+    logger.debug("rank %d: transfer filled %d tensor(s) in %.4f s (plan %s): received %d, sent %d, copied %d "
+                 "bytes in %d broadcast(s)", rank, report.tensors_filled, seconds["total"],
+                 "reused" if reused else "made", report.bytes_received, report.bytes_sent, report.bytes_copied,
+                 report.broadcasts)
+    return report
