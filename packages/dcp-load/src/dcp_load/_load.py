@@ -25,7 +25,7 @@ from .run._coordinate import Coordinator, next_load_slot, skip_slot, timeout_sec
 from .run._execute import execute
 from .run._progress import Progress
 from .run._report import LoadReport
-from .run._shared_open import is_uri, open_shared
+from .run._shared_open import local_storage, open_shared
 from .run._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
 
 __all__ = ["load", "resolve_platform"]
@@ -405,7 +405,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
           source_map: SourceMap | None = None) -> LoadReport:
     """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``):
     prepare, plan, validate, execute, finish."""
-    if broadcast_replicated_tensors == AUTO and is_uri(checkpoint_id):
+    if broadcast_replicated_tensors == AUTO and not local_storage(checkpoint_id):
         # An object store has no page cache that a host's ranks share: "auto"'s same-host
         # reads would fetch each replicated byte once per rank (measured: 4.01 x the unique
         # bytes on DP4, benchmarks/bench_s3.py). Every byte is fetched once per job instead.
@@ -413,7 +413,7 @@ def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     broadcast = collective and bool(broadcast_replicated_tensors)
     phases = _Phases(platform.rank())
     prep = _Prepared(reader=storage_reader)
-    if collective and storage_reader is None and is_uri(checkpoint_id):  # one rank lists the bucket
+    if collective and storage_reader is None and not local_storage(checkpoint_id):  # one rank lists the bucket
         prep.reader, prep.owned = open_shared(coord, platform, checkpoint_id, errors, allow_pickle=allow_pickle), True
     try:
         _prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,

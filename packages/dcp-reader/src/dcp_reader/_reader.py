@@ -35,9 +35,11 @@ from .formats._unpickle import memo_problem
 from .integrity._checksum import BlockSums
 from .integrity._hash_worker import HashWorker
 from .integrity._value_sums import check_bytes, check_value
-from .storage._files import close_fd, fd_size, in_parallel, pread_bytes
-from .storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
-from .storage._uri import is_uri, real_root
+from .storage._names import METADATA_LIMIT
+from .storage._pread import close_fd, fd_size, pread_bytes
+from .storage._protocol import Storage
+from .storage._roots import check_files, open_regular, read_regular, storage_at
+from .storage._uri import real_root
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,12 @@ class CheckpointReader:
     def bytes_read(self) -> int:
         return self._bytes_read
 
+    @property
+    def storage(self) -> Storage:
+        """Where the checkpoint's bytes live (``dcp_reader.storage.Storage``): ask it, for
+        example ``local``, rather than the path."""
+        return storage_at(self.path)
+
     def sibling(self) -> CheckpointReader:
         """Another reader of the same checkpoint, for another thread: it shares this reader's
         parsed metadata (nothing is read or checked again) and has its own open files, byte
@@ -140,7 +148,8 @@ class CheckpointReader:
         parallel instead of one after the other); a no-op for a directory. A file that
         fails to open is left out: opening it again when it is read reports why."""
         todo = [f for f in dict.fromkeys(files) if f not in self._files][:self._max_open]
-        if not is_uri(self.path) or len(todo) < 2:
+        storage = self.storage
+        if storage.local or len(todo) < 2:
             return
         key = {c.file: n for n, t in self.metadata.tensors.items() for c in t.chunks}
 
@@ -150,7 +159,7 @@ class CheckpointReader:
             except CheckpointError:
                 return None  # reported by the open at read time, with its own message
 
-        for name, f in zip(todo, in_parallel(self.path, open_one, todo), strict=True):
+        for name, f in zip(todo, storage.map(open_one, todo), strict=True):
             if f is not None:
                 self._files[name] = f
                 if len(self._files) > self._max_open:

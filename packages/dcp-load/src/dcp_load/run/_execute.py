@@ -108,9 +108,9 @@ class _ReadAhead(threading.Thread):
 def remote_readers(reader: Any, reads: Sequence[ReadItem]) -> int:
     """Threads to read ``reads`` with: ``DCP_STORAGE_READERS`` (default 8) when the
     checkpoint is in an object store, else 1."""
-    from dcp_reader.storage import ObjectOptions, is_uri
+    from dcp_reader.storage import ObjectOptions, storage_type
 
-    if len(reads) < 2 or not is_uri(getattr(reader, "path", None)) or not hasattr(reader, "sibling"):
+    if len(reads) < 2 or storage_type(getattr(reader, "path", None)).local or not hasattr(reader, "sibling"):
         return 1
     return max(1, min(ObjectOptions.from_env().readers, len(reads)))
 

@@ -39,8 +39,9 @@ def open_shared(coord: Coordinator, platform: Any, checkpoint_id: str, errors: l
     return reader
 
 
-def is_uri(path: Any) -> bool:
-    """Whether ``path`` names an object store (``s3://bucket/prefix``, ``gs://``, ``az://``)."""
-    from dcp_reader.storage import is_uri as reader_is_uri
+def local_storage(checkpoint_id: Any) -> bool:
+    """Whether the checkpoint's storage is ``local`` (a directory, not an object store), as
+    ``dcp_reader.storage`` answers it without opening anything (None: a directory)."""
+    from dcp_reader.storage import storage_type
 
-    return reader_is_uri(path)
+    return storage_type(checkpoint_id).local

@@ -36,7 +36,7 @@ from ..layouts._target_for import target_for
 from ..layouts._targets import in_mesh
 from ..plan._items import GreedyPlanner, ReadItem
 from ..run._coordinate import Coordinator, timeout_seconds
-from ..run._shared_open import is_uri
+from ..run._shared_open import local_storage
 from ..run._validate import check_launch, exchange, summarise
 from ._queue import wait_for_previous
 
@@ -161,7 +161,7 @@ def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: boo
     if timeout is not None:
         timeout_seconds(timeout, what)  # refuse a bad value before anything else
     path = os.fspath(checkpoint_id)
-    path = path if is_uri(path) else os.path.abspath(path)  # s3://bucket/prefix: an object store
+    path = os.path.abspath(path) if local_storage(path) else path  # else s3://bucket/prefix: an object store
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
     wait_s = timeout_seconds(timeout, what, platform)

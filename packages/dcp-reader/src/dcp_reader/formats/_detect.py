@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from .._errors import MissingMetadataError
-from ..storage._files import listdir
+from ..storage._roots import listdir
 from ..storage._uri import real_root
 from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
 from ._hyper import FORMAT as HYPER_FORMAT

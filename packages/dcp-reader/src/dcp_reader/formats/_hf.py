@@ -17,8 +17,7 @@ from .._errors import (
 )
 from .._json import load_json
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta
-from ..storage._files import in_parallel, lexists, listdir
-from ..storage._paths import check_files, read_regular
+from ..storage._roots import check_files, in_parallel, lexists, listdir, read_regular
 from ._safetensors_file import Header, read_header_at
 
 INDEX_FILE = "model.safetensors.index.json"

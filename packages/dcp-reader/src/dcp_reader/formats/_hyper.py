@@ -38,9 +38,10 @@ from .._errors import (
     summarise,
 )
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ..storage._files import close_fd, lexists, listdir, pread_bytes
-from ..storage._paths import METADATA_LIMIT, check_files, open_regular, read_regular
-from ..storage._uri import is_uri, parent
+from ..storage._names import METADATA_LIMIT
+from ..storage._pread import close_fd, pread_bytes
+from ..storage._roots import check_files, lexists, listdir, open_regular, read_regular, storage_type
+from ..storage._uri import parent
 from ._unpickle import _record_class, _RestrictedUnpickler
 
 FORMAT = "hyper-parallel"
@@ -146,13 +147,14 @@ def is_rank_local(path: str | os.PathLike[str]) -> bool:
     directory cannot be listed (opening it then reports why). In an object store, where
     every rank would list the bucket, two HEAD requests decide instead (``0.metadata``, then
     ``.metadata``): no listing."""
-    if is_uri(path):
+    storage = storage_type(path)(path)  # no I/O yet
+    if not storage.local:
         try:
-            return lexists(path, f"0{METADATA_FILE}") and not lexists(path, METADATA_FILE)
+            return storage.exists(f"0{METADATA_FILE}") and not storage.exists(METADATA_FILE)
         except CheckpointError:
             return False
     try:
-        names = set(os.listdir(os.fspath(path)))
+        names = storage.names()
     except OSError:
         return False
     return METADATA_FILE not in names and bool(rank_metadata_files("", names))

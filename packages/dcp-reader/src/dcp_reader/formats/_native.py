@@ -8,7 +8,8 @@ from collections.abc import Collection, Iterable
 
 from .._errors import CheckpointError, MissingFileError, MissingMetadataError
 from .._model import CheckpointMetadata
-from ..storage._paths import METADATA_LIMIT, read_regular
+from ..storage._names import METADATA_LIMIT
+from ..storage._roots import read_regular
 
 METADATA_FILE = "dcp-metadata.json"
 # Written into every native data file's safetensors __metadata__, so a directory of data

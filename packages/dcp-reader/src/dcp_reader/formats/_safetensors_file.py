@@ -15,9 +15,8 @@ from .._errors import MetadataError, MissingKeyError, TruncatedFileError, summar
 from .._json import load_json
 from ..integrity._checksum import BlockSums, read_verified
 from ..integrity._hash_worker import HashWorker
-from ..storage._files import close_fd, fd_size, pread_bytes
-from ..storage._paths import open_regular
-from ..storage._pread import pread_into
+from ..storage._pread import close_fd, fd_size, pread_bytes, pread_into
+from ..storage._roots import open_regular
 from ..storage._scatter import pread_runs
 
 _HEADER_LIMIT = 256 * 1024 * 1024  # a larger header is corrupt (real ones are kilobytes to a few MB)

@@ -26,9 +26,9 @@ from .._errors import (
     summarise,
 )
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
-from ..storage._files import file_size
-from ..storage._paths import METADATA_LIMIT, check_files, read_regular
+from ..storage._names import METADATA_LIMIT
 from ..storage._pread import pread_into
+from ..storage._roots import check_files, file_size, read_regular
 from ._torch_save_zip import check_blob_pickles
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
 

@@ -11,9 +11,9 @@ from .._model import CheckpointMetadata
 from .._reader import CheckpointReader, open_checkpoint
 from ..formats._detect import detect_format
 from ..formats._native import load_native, stray_among, stray_files
-from ..storage._object import ObjectStorage
-from ..storage._paths import METADATA_LIMIT, read_regular
-from ..storage._uri import is_uri, real_root
+from ..storage._names import METADATA_LIMIT
+from ..storage._roots import read_regular, storage_at
+from ..storage._uri import real_root
 from ._value_sums import check_bytes, check_value
 
 
@@ -105,9 +105,10 @@ def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointR
 
 
 def _strays(root: str, meta: CheckpointMetadata) -> list[str]:
-    if is_uri(root):
-        return stray_among(ObjectStorage(root).names(), meta, legacy=False)
-    return stray_files(root, meta)
+    storage = storage_at(root)
+    if storage.local:
+        return stray_files(root, meta)
+    return stray_among(storage.names(), meta, legacy=False)  # a listing alone: no legacy names
 
 
 def _missing_lines(meta: CheckpointMetadata, missing: list[str]) -> list[str]:

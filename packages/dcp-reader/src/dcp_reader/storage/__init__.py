@@ -12,6 +12,7 @@ from ._object import ObjectFile, ObjectStorage
 from ._options import ObjectOptions
 from ._posix import PosixFile, PosixStorage
 from ._protocol import Storage, StorageFile
+from ._roots import storage_type
 from ._uri import is_uri, real_root
 
 
@@ -19,8 +20,9 @@ def open_storage(root: str | os.PathLike[str], *, options: ObjectOptions | None 
     """The backend of a checkpoint root (no I/O until used). ``options``: object stores only
     (default: ``ObjectOptions.from_env()``)."""
     root = os.fspath(root)
-    return ObjectStorage(root, options) if is_uri(root) else PosixStorage(root)
+    kind = storage_type(root)
+    return kind(root) if kind is PosixStorage else ObjectStorage(root, options)
 
 
 __all__ = ["ObjectFile", "ObjectOptions", "ObjectStorage", "PosixFile", "PosixStorage", "Storage",
-           "StorageFile", "is_uri", "open_storage", "real_root"]
+           "StorageFile", "is_uri", "open_storage", "real_root", "storage_type"]

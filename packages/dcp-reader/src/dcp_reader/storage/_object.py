@@ -35,8 +35,8 @@ from .._errors import (
     UnsafePathError,
     summarise,
 )
+from ._names import check_name, name_problem
 from ._options import ObjectOptions
-from ._paths import _lexical_problem, check_name
 from ._uri import split_uri
 
 logger = logging.getLogger(__name__)
@@ -151,11 +151,20 @@ def _aws_settings() -> dict[str, Any]:
 class ObjectStorage:
     """A checkpoint under ``scheme://bucket/prefix`` (see ``_protocol.Storage``)."""
 
+    #: every call is a request (20-50 ms): list once, open and read on many threads
+    local = False
+
     def __init__(self, root: str, options: ObjectOptions | None = None):
         self.scheme, self.bucket, self.prefix = split_uri(root)
         self.root = f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
         self.options = options or ObjectOptions.from_env()
         self.store = _client(self.scheme, self.bucket, self.options)
+
+    @classmethod
+    def create(cls, root: str, options: ObjectOptions | None = None) -> ObjectStorage:
+        """The storage of a prefix to write: nothing to make (a prefix exists once an object
+        is under it)."""
+        return cls(root, options)
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.root!r})"
@@ -166,6 +175,8 @@ class ObjectStorage:
 
     def uri(self, name: str) -> str:
         return f"{self.root}/{name}"
+
+    path = uri  #: what errors name (``_protocol.Storage.path``)
 
     def _error(self, e: BaseException, name: str, key: str | None, doing: str) -> Exception:
         """obstore's exception as a typed error naming the URI (and endpoint and bucket)."""
@@ -266,6 +277,21 @@ class ObjectStorage:
         check_name(name, root=self.root, key=key)
         return ObjectFile(self, name, key)
 
+    handle = open  #: what ``pread_into`` / ``pread_runs`` read (``_protocol.Storage.handle``)
+
+    def map(self, fn: Any, names: Sequence[str]) -> list[Any]:
+        """``[fn(n) for n in names]`` on up to 16 threads: each call waits on round trips of
+        20-50 ms, which a loop would pay one after the other. The first failure in ``names``
+        order is raised, as the loop would."""
+        if len(names) < 2:
+            return [fn(n) for n in names]
+        with ThreadPoolExecutor(min(16, len(names)), thread_name_prefix="dcp-open") as pool:
+            futures = [pool.submit(fn, n) for n in names]
+            return [f.result() for f in futures]
+
+    def sync(self, *, parent: bool = False) -> None:
+        """Nothing to do: an object is durable once its request returned."""
+
     def read_small(self, name: str, *, limit: int, key: str | None = None) -> bytes:
         f = self.open(name, key=key)
         if f.size > limit:
@@ -281,7 +307,7 @@ class ObjectStorage:
         by_name: dict[str, str | None] = {}
         for n, k in names:
             by_name.setdefault(n, k)
-        unsafe = [n for n in by_name if _lexical_problem(n)]
+        unsafe = [n for n in by_name if name_problem(n)]
         if unsafe:
             check_name(unsafe[0], root=self.root, key=by_name[unsafe[0]])  # raises, naming it
         listed = self.list()

@@ -1,4 +1,5 @@
-"""Keeping every file access inside the checkpoint directory."""
+"""Keeping every access to a checkpoint directory inside it: the POSIX backend's checks
+(``PosixStorage`` calls these; names are checked by ``_names``, shared with object stores)."""
 
 from __future__ import annotations
 
@@ -8,40 +9,13 @@ import stat
 from collections.abc import Iterable
 
 from .._errors import MissingFileError, TruncatedFileError, UnsafePathError, summarise
-from ._uri import is_uri
+from ._names import METADATA_LIMIT, check_name, name_problem
 
 # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer (a hang); on a
 # regular file it changes nothing. O_NOFOLLOW: the path is already resolved, so a symlink
 # in its last component means it was swapped in after the check.
 _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
                | getattr(os, "O_NOFOLLOW", 0))
-
-
-# A larger metadata or index file is refused before it is read: ~200 bytes per chunk in
-# either metadata format, so this holds ~2.5 million chunks (10,000 tensors saved by 250 ranks).
-METADATA_LIMIT = 512 * 1024 * 1024
-
-
-def _lexical_problem(name: object) -> str | None:
-    if not isinstance(name, str) or not name:
-        return "not a non-empty str"
-    if "\x00" in name or "\\" in name:
-        return "contains a NUL or a backslash"
-    if name.startswith("/") or (len(name) > 1 and name[1] == ":"):
-        return "is absolute"
-    if ".." in name.split("/"):
-        return "contains '..'"
-    return None
-
-
-def check_name(name: str, *, root: str, key: str | None = None) -> str:
-    """Validate one relative posix file name from a checkpoint (no I/O)."""
-    problem = _lexical_problem(name)
-    if problem:
-        raise UnsafePathError(f"file name {name!r} (for {key!r}) {problem}: it would escape the "
-                              "checkpoint directory; refusing to read it. The checkpoint was "
-                              "tampered with or written by a broken tool", path=root, key=key)
-    return posixpath.normpath(name)
 
 
 def resolve(root_real: str, name: str, *, key: str | None = None) -> str:
@@ -76,8 +50,6 @@ def open_regular(root_real: str, name: str, *, key: str | None = None) -> int:
     """A read-only fd of ``name`` inside ``root_real``, refused (UnsafePathError) unless it is
     a regular file resolving inside the directory; checked with ``stat`` BEFORE opening (a
     FIFO or device is never opened) and again on the fd. MissingFileError when absent."""
-    if is_uri(root_real):
-        return object_storage(root_real).open(name, key=key)
     real = resolve(root_real, name, key=key)
     try:
         st = os.stat(real)
@@ -113,8 +85,6 @@ def read_regular(root_real: str, name: str, *, limit: int, key: str | None = Non
     """The whole content of a small file (metadata, index) opened with ``open_regular``;
     refused (UnsafePathError) when larger than ``limit`` bytes, so a
     corrupt or hostile file never makes the reader allocate more than that."""
-    if is_uri(root_real):
-        return object_storage(root_real).read_small(name, limit=limit, key=key)
     fd = open_regular(root_real, name, key=key)
     try:
         size = os.fstat(fd).st_size
@@ -135,20 +105,46 @@ def read_regular(root_real: str, name: str, *, limit: int, key: str | None = Non
 def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None:
     """Check many (file name, key) pairs at once, collecting every offender: unsafe names
     (UnsafePathError), then missing files (MissingFileError), then symlinks out. Costs one
-    directory listing per directory, not a stat per file (an object store: one listing)."""
-    if is_uri(root_real):
-        object_storage(root_real).check_files(names)
-        return
+    directory listing per directory, not a stat per file."""
     by_name: dict[str, str | None] = {}
     for name, key in names:
         by_name.setdefault(name, key)
-    unsafe = [f"{n!r} (for {k!r}): {p}" for n, k in by_name.items() if (p := _lexical_problem(n))]
-    if unsafe:
-        first = next(n for n in by_name if _lexical_problem(n))
+    _refuse_unsafe(root_real, by_name)
+    missing, links, odd = _scan(root_real, by_name)
+    if missing:
+        raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist: "
+                               f"{summarise(missing)}. The checkpoint is incomplete (copy interrupted, "
+                               "or a rank's files lost); copy the missing files or re-save",
+                               path=root_real, key=by_name.get(missing[0]), offenders=missing)
+    outside = _follow_links(root_real, by_name, links, missing, odd)
+    if missing:
+        raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist (dangling "
+                               f"links): {summarise(missing)}; copy the missing files or re-save",
+                               path=root_real, key=by_name.get(missing[0]), offenders=missing)
+    if odd:
+        raise UnsafePathError(f"{len(odd)} file(s) named in the metadata are not regular files (a directory, "
+                              f"FIFO or device): {summarise(odd)}; refusing to open them. Replace them with "
+                              "the real data files", path=root_real, key=by_name.get(odd[0]), offenders=odd)
+    if outside:
+        raise UnsafePathError(f"{len(outside)} file(s) resolve outside the checkpoint directory: "
+                              f"{summarise([e.message for e in outside])}", path=root_real,
+                              key=outside[0].key, offenders=[e.path or "" for e in outside])
+
+
+def _refuse_unsafe(root_real: str, by_name: dict[str, str | None]) -> None:
+    """UnsafePathError listing every name that would leave the directory."""
+    bad = [n for n in by_name if name_problem(n)]
+    if bad:
+        unsafe = [f"{n!r} (for {by_name[n]!r}): {name_problem(n)}" for n in bad]
         raise UnsafePathError(f"{len(unsafe)} file name(s) would escape the checkpoint directory: "
                               f"{summarise(unsafe)}; refusing to read them. The checkpoint was tampered "
-                              "with or written by a broken tool", path=root_real, key=by_name[first],
-                              offenders=[str(n) for n in by_name if _lexical_problem(n)])
+                              "with or written by a broken tool", path=root_real, key=by_name[bad[0]],
+                              offenders=[str(n) for n in bad])
+
+
+def _scan(root_real: str, by_name: dict[str, str | None]) -> tuple[list[str], list[str], list[str]]:
+    """(missing, links to follow, not regular) from one listing per directory. A file in a
+    subdirectory counts as a link: a directory on the way may itself be one."""
     by_dir: dict[str, list[str]] = {}
     for n in by_name:
         n = posixpath.normpath(n)
@@ -166,15 +162,17 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
             e = entries.get(posixpath.basename(n))
             if e is None:
                 missing.append(n)
-            elif e.is_symlink() or d:  # a directory on the way may itself be a link
+            elif e.is_symlink() or d:
                 links.append(n)
             elif not e.is_file(follow_symlinks=False):
                 odd.append(n)
-    if missing:
-        raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist: "
-                               f"{summarise(missing)}. The checkpoint is incomplete (copy interrupted, "
-                               "or a rank's files lost); copy the missing files or re-save",
-                               path=root_real, key=by_name.get(missing[0]), offenders=missing)
+    return missing, links, odd
+
+
+def _follow_links(root_real: str, by_name: dict[str, str | None], links: list[str], missing: list[str],
+                  odd: list[str]) -> list[UnsafePathError]:
+    """Resolve each of ``links``: dangling ones go to ``missing``, those to a non-regular file
+    to ``odd``; returns the refusals of those resolving outside the directory."""
     outside = []
     for n in links:
         try:
@@ -187,21 +185,7 @@ def check_files(root_real: str, names: Iterable[tuple[str, str | None]]) -> None
                 odd.append(n)
         except OSError:
             missing.append(n)
-    if missing:
-        raise MissingFileError(f"{len(missing)} data file(s) named in the metadata do not exist (dangling "
-                               f"links): {summarise(missing)}; copy the missing files or re-save",
-                               path=root_real, key=by_name.get(missing[0]), offenders=missing)
-    if odd:
-        raise UnsafePathError(f"{len(odd)} file(s) named in the metadata are not regular files (a directory, "
-                              f"FIFO or device): {summarise(odd)}; refusing to open them. Replace them with "
-                              "the real data files", path=root_real, key=by_name.get(odd[0]), offenders=odd)
-    if outside:
-        raise UnsafePathError(f"{len(outside)} file(s) resolve outside the checkpoint directory: "
-                              f"{summarise([e.message for e in outside])}", path=root_real,
-                              key=outside[0].key, offenders=[e.path or "" for e in outside])
+    return outside
 
 
-def object_storage(root: str):  # noqa: ANN201 - ObjectStorage, imported late (it imports this module)
-    from ._object import ObjectStorage
-
-    return ObjectStorage(root)
+__all__ = ["METADATA_LIMIT", "check_files", "check_name", "open_regular", "read_regular", "resolve"]

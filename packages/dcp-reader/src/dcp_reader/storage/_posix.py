@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+import stat
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._files import file_size
-from ._paths import check_files, check_name, open_regular, read_regular
+from .._errors import MissingFileError
+from ._names import check_name
+from ._paths import check_files, open_regular, read_regular, resolve
 from ._pread import pread_into
 from ._scatter import pread_runs
+
+_COPY_BLOCK = 64 * 1024 * 1024  # bytes per write() call: bounds the transient copy, not a tuning knob
 
 
 class PosixFile:
@@ -35,11 +39,24 @@ class PosixFile:
 class PosixStorage:
     """A checkpoint directory (see ``_protocol.Storage``)."""
 
+    #: a directory of this host: its page cache is shared, renames are atomic, flock works
+    local = True
+
     def __init__(self, root: str | os.PathLike[str]):
         self.root = os.path.realpath(os.fspath(root))
 
+    @classmethod
+    def resolved(cls, root_real: str) -> PosixStorage:
+        """The storage of a root already resolved by ``real_root`` (no system call)."""
+        self = cls.__new__(cls)
+        self.root = root_real
+        return self
+
     def __repr__(self) -> str:
         return f"PosixStorage({self.root!r})"
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
 
     def list(self) -> dict[str, int]:
         out = {}
@@ -50,14 +67,28 @@ class PosixStorage:
                     out[os.path.relpath(full, self.root).replace(os.sep, "/")] = os.path.getsize(full)
         return out
 
+    def names(self) -> set[str]:
+        """The entries at the top of the directory (FileNotFoundError / NotADirectoryError
+        when it is none)."""
+        return set(os.listdir(self.root))
+
     def exists(self, name: str) -> bool:
+        """A dangling link counts: opening it reports it."""
         return os.path.lexists(os.path.join(self.root, check_name(name, root=self.root)))
 
     def size(self, name: str, *, key: str | None = None) -> int:
-        return file_size(self.root, name, key=key)
+        try:
+            return os.stat(resolve(self.root, name, key=key)).st_size
+        except FileNotFoundError:
+            raise MissingFileError(f"file {name!r} (for {key!r}) does not exist", path=self.path(name),
+                                   key=key) from None
 
     def open(self, name: str, *, key: str | None = None) -> PosixFile:
         return PosixFile(self.root, name, key)
+
+    def handle(self, name: str, *, key: str | None = None) -> int:
+        """A read-only descriptor (``_paths.open_regular``): the readers' ``preadv`` fast path."""
+        return open_regular(self.root, name, key=key)
 
     def read_small(self, name: str, *, limit: int, key: str | None = None) -> bytes:
         return read_regular(self.root, name, limit=limit, key=key)
@@ -65,16 +96,77 @@ class PosixStorage:
     def check_files(self, names: Iterable[tuple[str, str | None]]) -> None:
         check_files(self.root, names)
 
-    def put(self, name: str, chunks: Sequence[Any]) -> int:
-        """tmp + fsync + rename: the file appears whole or not at all."""
-        from ..write._writer import _atomic_write
+    def map(self, fn: Callable[[str], Any], names: Sequence[str]) -> list[Any]:
+        """``[fn(n) for n in names]``: local calls cost microseconds, threads would cost more."""
+        return [fn(n) for n in names]
 
+    @classmethod
+    def create(cls, path: str | os.PathLike[str]) -> PosixStorage:
+        """The storage of a directory to write, made (with its parents) when missing:
+        NotADirectoryError saying what is there when something else has its name (a dangling
+        link is refused, not followed)."""
+        path = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(path, exist_ok=True)
+        except FileExistsError:  # "File exists" alone reads like a refusal to overwrite
+            st = os.lstat(path)
+            kind = ("dangling symlink" if stat.S_ISLNK(st.st_mode) else "fifo" if stat.S_ISFIFO(st.st_mode)
+                    else "file" if stat.S_ISREG(st.st_mode) else "special file")
+            raise NotADirectoryError(f"{path} is a {kind}, not a directory: the checkpoint_id of a save "
+                                     "names the directory to write; pass another path, or move that one "
+                                     "away") from None
+        return cls(path)
+
+    def put(self, name: str, chunks: Sequence[Any]) -> int:
+        """tmp + fsync + rename + fsync of the directory: the file appears whole or not at all."""
         final = os.path.join(self.root, check_name(name, root=self.root))
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        return _atomic_write(final, list(chunks))
+        return atomic_write(final, list(chunks))
 
     def delete(self, name: str) -> None:
         try:
             os.unlink(os.path.join(self.root, check_name(name, root=self.root)))
         except FileNotFoundError:
             pass
+
+    def sync(self, *, parent: bool = False) -> None:
+        """Make the directory's entries (renames, removals) durable; ``parent``: its own entry
+        too (a directory a save created is durable only once its parent is synced)."""
+        fsync_dir(os.path.dirname(self.root) if parent else self.root)
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems cannot open directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not supported on this filesystem; nothing more can be done
+    finally:
+        os.close(fd)
+
+
+def atomic_write(final: str, chunks: Sequence[Any]) -> int:
+    """Write the buffers ``chunks`` as the file ``final``: tmp + fsync + rename, then the
+    directory synced. Returns the bytes written."""
+    tmp = f"{final}.tmp-{os.getpid()}"
+    n = 0
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                mv = memoryview(c).cast("B")
+                for i in range(0, len(mv), _COPY_BLOCK):
+                    n += f.write(mv[i:i + _COPY_BLOCK])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(os.path.dirname(final))
+    return n

@@ -39,3 +39,27 @@ def pread_into(fd: int | Any, buf: Any, offset: int, *, path: str, key: str | No
                 f"of {key!r}; it is truncated (or was truncated during the load): re-copy or re-save it",
                 path=path, key=key)
         done += n
+
+
+# An open file as the format readers hold it: a descriptor (a directory's file, read with
+# ``preadv``) or a ``StorageFile`` (an object), as ``Storage.handle`` returns it.
+
+def fd_size(fd: int | Any) -> int:
+    return os.fstat(fd).st_size if isinstance(fd, int) else fd.size
+
+
+def close_fd(fd: int | Any) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
+
+
+def pread_bytes(fd: int | Any, n: int, offset: int, *, path: str, key: str | None = None) -> bytes:
+    """``n`` bytes at ``offset`` (fewer when the file ends first, as ``os.pread``)."""
+    if isinstance(fd, int):
+        return os.pread(fd, n, offset)
+    n = max(0, min(n, fd.size - offset))
+    buf = bytearray(n)
+    pread_into(fd, buf, offset, path=path, key=key)
+    return bytes(buf)

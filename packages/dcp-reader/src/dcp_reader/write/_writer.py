@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import pickle
-import stat
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -31,15 +30,11 @@ from ..formats._native import (
 from ..formats._safetensors_file import read_header_at
 from ..integrity._checksum import block_digests
 from ..integrity._value_sums import bytes_checksum, canonical_json, value_checksum
-from ..storage._object import ObjectStorage
-from ..storage._paths import check_files, check_name
-from ..storage._uri import is_uri, real_root
+from ..storage._names import check_name
+from ..storage._roots import storage_type, write_atomic
 from ._save_lock import NoLock, WriterLock
 
 logger = logging.getLogger(__name__)
-
-_COPY_BLOCK = 64 * 1024 * 1024  # bytes per write() call: bounds the transient copy, not a tuning knob
-
 
 def _as_bytes(t: Any, key: str) -> tuple[str, tuple[int, ...], Any]:
     """(neutral dtype, shape, flat uint8 buffer) of a torch tensor, numpy array or MindSpore
@@ -96,42 +91,8 @@ def with_checksums(root_real: str, metadata: CheckpointMetadata) -> CheckpointMe
     return dataclasses.replace(metadata, tensors=tensors, values=values)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems cannot open directories; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # not supported on this filesystem; nothing more can be done
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(final: str, chunks: list[Any]) -> int:
-    if is_uri(final):  # one PUT, or a multipart upload: the object appears whole or not at all
-        root, _, name = final.rpartition("/")
-        return ObjectStorage(root).put(name, chunks)
-    tmp = f"{final}.tmp-{os.getpid()}"
-    n = 0
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                mv = memoryview(c).cast("B")
-                for i in range(0, len(mv), _COPY_BLOCK):
-                    n += f.write(mv[i:i + _COPY_BLOCK])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(os.path.dirname(final))
-    return n
+#: The file or object at a full location, written whole or not at all (the storage's ``put``).
+_atomic_write = write_atomic
 
 
 def _legacy_named(root_real: str) -> set[str]:
@@ -200,36 +161,25 @@ class NativeWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
-        # an object store (s3://bucket/prefix): files go up with storage.put, see _atomic_write
-        self.path = real_root(path) if is_uri(os.fspath(path)) else os.path.abspath(os.fspath(path))
+        path = os.fspath(path)
+        #: where every file goes (``Storage.put``): a directory (made now) or an object prefix
+        self.storage = storage_type(path).create(path)
+        self.path = os.path.abspath(path) if self.storage.local else self.storage.root
         self.allow_pickle = bool(allow_pickle)
         self._replaced: set[str] = set()  # legacy files the metadata replaced by commit() named
-        if not is_uri(self.path):
-            try:
-                os.makedirs(self.path, exist_ok=True)
-            except FileExistsError:  # "File exists" alone reads like a refusal to overwrite
-                st = os.lstat(self.path)
-                kind = ("dangling symlink" if stat.S_ISLNK(st.st_mode) else "fifo" if stat.S_ISFIFO(st.st_mode)
-                        else "file" if stat.S_ISREG(st.st_mode) else "special file")
-                raise NotADirectoryError(f"{self.path} is a {kind}, not a directory: the checkpoint_id of a save "
-                                         "names the directory to write; pass another path, or move that one "
-                                         "away") from None
 
     def _target(self, file_name: str) -> str:
         name = check_name(file_name, root=self.path)
         if name == METADATA_FILE:
             raise ValueError(f"file_name {file_name!r} is reserved for the metadata")
-        if is_uri(self.path):
-            return f"{self.path}/{name}"
-        full = os.path.join(self.path, name)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        return full
+        return name
 
     def write_file(self, file_name: str, tensors: Mapping[str, Any]) -> int:
         """Write one safetensors data file holding ``tensors`` ({key: tensor}, torch tensors,
         numpy arrays or MindSpore tensors); atomic (tmp + fsync + rename). Returns its size."""
         t0 = time.perf_counter()
-        final = self._target(file_name)
+        name = self._target(file_name)
+        final = self.storage.path(name)
         header: dict[str, Any] = {"__metadata__": {MARKER_KEY: MARKER_VALUE, "format": "pt"}}
         sums: dict[str, str] = {}
         bufs = []
@@ -256,7 +206,7 @@ class NativeWriter:
         header["__metadata__"][CHECKSUMS_KEY] = json.dumps(sums, separators=(",", ":"))
         hjson = json.dumps(header, separators=(",", ":")).encode()
         hjson += b" " * (-len(hjson) % 8)  # safetensors aligns the data section to 8 bytes
-        n = _atomic_write(final, [len(hjson).to_bytes(8, "little"), hjson, *bufs])
+        n = self.storage.put(name, [len(hjson).to_bytes(8, "little"), hjson, *bufs])
         logger.debug("wrote %s: %d tensors, %d bytes in %.3f s", final, len(bufs), n,
                      time.perf_counter() - t0)
         return n
@@ -299,7 +249,7 @@ class NativeWriter:
         enc = values if isinstance(values, EncodedValues) else self.encode_values(values)
         out = {name: ValueMeta(name=name, value=v, checksum=enc.checksums[name]) for name, v in enc.inline.items()}
         if enc.pickled is not None:
-            _atomic_write(self._target(file_name), [enc.pickled])
+            self.storage.put(self._target(file_name), [enc.pickled])
             checksum = bytes_checksum(enc.pickled)
             for name in enc.pickled_names:
                 out[name] = ValueMeta(name=name, file=file_name, key=name, checksum=checksum)
@@ -310,7 +260,7 @@ class NativeWriter:
         when another process writes into it); release it after ``commit``. ``note``: added
         to the record the next writer reads as ``WriterLock.previous``. An object store has
         no locks: there the save goes ahead unlocked (see the README)."""
-        if is_uri(self.path):
+        if not self.storage.local:
             return NoLock()
         return WriterLock(self.path, note).acquire()
 
@@ -318,10 +268,7 @@ class NativeWriter:
         """Remove files this save wrote (after a failure, before ``commit``); best effort."""
         for name in file_names:
             try:
-                if is_uri(self.path):
-                    ObjectStorage(self.path).delete(name)
-                else:
-                    os.unlink(self._target(name))
+                self.storage.delete(self._target(name))
             except OSError:
                 pass  # already gone or unreachable: the next save's remove_stray takes it
 
@@ -330,8 +277,8 @@ class NativeWriter:
         and temporary files) that ``metadata`` does not refer to, left by an earlier save or
         a killed one. Other files are never touched. Returns the names removed."""
         removed = []
-        if is_uri(self.path):
-            store = ObjectStorage(self.path)
+        if not self.storage.local:
+            store = self.storage
             for name in stray_among(store.names(), metadata, legacy=False):
                 store.delete(name)
                 removed.append(name)
@@ -345,20 +292,14 @@ class NativeWriter:
             except OSError as e:  # the checkpoint is committed; a leftover only costs space
                 logger.warning("could not remove the leftover %s: %s", os.path.join(self.path, name), e)
         if removed:
-            _fsync_dir(self.path)
+            self.storage.sync()
             logger.debug("removed %d leftover file(s) from %s: %s", len(removed), self.path, summarise(removed))
         return removed
 
     def invalidate(self) -> None:
         """Remove a committed metadata file (rank 0, before any rank writes new data)."""
-        if is_uri(self.path):
-            ObjectStorage(self.path).delete(METADATA_FILE)
-            return
-        try:
-            os.unlink(os.path.join(self.path, METADATA_FILE))
-        except FileNotFoundError:
-            return
-        _fsync_dir(self.path)
+        self.storage.delete(METADATA_FILE)
+        self.storage.sync()
 
     def commit(self, metadata: CheckpointMetadata) -> None:
         """Write the metadata last and atomically. Checks first that every file it names
@@ -371,14 +312,13 @@ class NativeWriter:
             raise ValueError(f"metadata.format must be 'native' for NativeWriter, got {metadata.format!r}")
         files = [(c.file, name) for name, t in metadata.tensors.items() for c in t.chunks]
         files += [(v.file, name) for name, v in metadata.values.items() if v.file is not None]
-        root = real_root(self.path)
-        check_files(root, files)
+        root = self.storage.root
+        self.storage.check_files(files)
         metadata = with_checksums(root, metadata)
-        self._replaced = set() if is_uri(self.path) else _legacy_named(root)
-        _atomic_write(os.path.join(self.path, METADATA_FILE), [metadata.to_json().encode()])
-        if not is_uri(self.path):
-            # The checkpoint directory's own entry lives in its parent: a directory this save
-            # created is durable only once the parent is synced too.
-            _fsync_dir(os.path.dirname(self.path))
+        self._replaced = _legacy_named(root) if self.storage.local else set()
+        self.storage.put(METADATA_FILE, [metadata.to_json().encode()])
+        # The checkpoint directory's own entry lives in its parent: a directory this save
+        # created is durable only once the parent is synced too.
+        self.storage.sync(parent=True)
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))
