@@ -138,11 +138,13 @@ def _wanted(layouts: Sequence[tuple[Sequence[Entry], Sequence[Entry]]], plan: Tr
             ) -> dict[str, tuple[tuple[int, ...], dict[tuple[Any, ...], list[int]]]]:
     """Destination name -> (global shape, {(offsets, sizes, dtype): receivers})."""
     wants: dict[str, tuple[tuple[int, ...], dict[tuple[Any, ...], list[int]]]] = {}
+    first: dict[str, int] = {}
     for rank, (_, dst) in enumerate(layouts):
         for name, shape, dtype, boxes in dst:
             entry = wants.setdefault(name, (tuple(shape), {}))
+            first.setdefault(name, rank)
             if entry[0] != tuple(shape):
-                plan.fail([rank], f"dst {name!r} has shape {tuple(shape)} here but {entry[0]} on another rank; "
+                plan.fail([rank], f"dst {name!r} has shape {tuple(shape)} here but {entry[0]} on rank {first[name]}; "
                                   "every rank must fill the same global tensor")
                 continue
             for off, sz in boxes:
@@ -210,7 +212,7 @@ def _composed(name: str, shape: tuple[int, ...], ranks: Sequence[int], source_ma
     missing = [n for n in leaves(source) if n not in held]
     if missing:
         via = "" if source == name else f" (sources= maps it to {source!r:.200})"
-        advice = missing_advice(missing, list(held))
+        advice = missing_advice(missing, list(held)).replace("checkpoint keys", "src names")
         plan.fail(ranks, f"dst {name!r}{via}: no rank's src holds {', '.join(repr(m) for m in missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}; pass it in src on the ranks that hold it"
                          f"{', or map it with sources=' if source == name else ''}"
