@@ -53,6 +53,7 @@ def run(worlds: list[int], greedy_up_to: int, repeats: int) -> list[dict[str, An
         t0 = time.perf_counter()
         r = simulate(tensors, layout, repeats=repeats)
         r.pop("read_bytes_per_rank")
+        r.pop("broadcasts_per_rank")
         r["simulate_seconds"] = time.perf_counter() - t0
         r["load_average"] = os.getloadavg()[0]
         r["balance"] = r["read_bytes_per_rank_max"] / r["read_bytes_per_rank_mean"]
@@ -63,7 +64,8 @@ def run(worlds: list[int], greedy_up_to: int, repeats: int) -> list[dict[str, An
               f"{r['planning_seconds_median'] * 1e3:6.1f}; CPU max {r['planning_cpu_seconds_max'] * 1e3:6.1f}, median "
               f"{r['planning_cpu_seconds_median'] * 1e3:6.1f}), exchanged {r['exchanged_bytes_per_rank_max']} B, "
               f"group sets {r['group_set_bytes_per_rank_max']} B, read max/mean {r['balance']:.3f} "
-              f"(greedy {g}), broadcasts/rank {r['broadcasts_per_rank_max']}, amplification "
+              f"(greedy {g}), broadcast items/rank {r['broadcast_items_per_rank_max']} "
+              f"({r['broadcasts_per_rank_max']} broadcasts), amplification "
               f"{r['amplification']:.4f} (load average {r['load_average']:.1f})", flush=True)
     return rows
 

@@ -10,7 +10,8 @@ Real gloo ranks (process-group timeout 10 minutes unless a case says otherwise):
   not shift the loads; a ``no_dist`` load on every rank leaves no key in the store.
 * Two checkpoints with one layout (native with checksums, and Hugging Face files without)
   on different ranks: ``LoadError`` on every rank and every planning path, nothing
-  written (before, each rank got half of each).
+  written (before, each rank got half of each), naming the checkpoint each rank opened and
+  not the state dicts, which agree.
 * ``broadcast_groups=`` on some ranks only: ``LoadError`` naming the setting (before, the
   ranks waited in different collectives without bound).
 * After a broadcast fails on one rank, no group leaks, and the next load and save raise at
@@ -97,11 +98,17 @@ def mixed(ck: dict[str, str]) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", ["derived", "derived_no_broadcast", "hf", "gathered"])
-def test_different_checkpoints_with_one_layout_fail_everywhere(mixed, case):
+def test_different_checkpoints_with_one_layout_fail_everywhere(mixed, ck, case):
+    hf = "hf_" if case == "hf" else ""
     for r in mixed:
         out = r[case]
         _raised(out, words="same checkpoint")
         assert out["error"]["phase"] == "validate" and out["untouched"], out
+        # Each rank's path is shown, and the state dicts, which are the same, are not blamed.
+        message = out["error"]["message"]
+        assert "opened different checkpoints" in message, message
+        assert f"rank 0 opened {ck[hf + 'a']!r}; rank 1 opened {ck[hf + 'b']!r}" in message, message
+        assert "state dict layout" not in message, message
     for r in mixed:
         _ok(r["after"])
 

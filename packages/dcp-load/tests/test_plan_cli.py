@@ -1,6 +1,7 @@
 """``dcp plan``: the dry run's JSON and text output for built-in models and a checkpoint
-directory, its numbers checked against the global plan built from every rank's gathered
-wants, the PNG, clear errors for bad arguments and unreadable checkpoints, the histogram's
+directory, each broadcast mode planned as load plans it (tests-integration/test_integ_plan.py
+compares the plan with real loads), its numbers checked against the global plan built from
+every rank's gathered wants and the broadcasts against dcp_broadcast's packing, the PNG, clear errors for bad arguments and unreadable checkpoints, the histogram's
 bins (property-tested, as is the mesh parsing), the terminal status line, and role timing
 (which roles each pass times, the simulation frozen out of garbage collection)."""
 
@@ -55,13 +56,51 @@ def test_simulated_reads_equal_the_gathered_global_plan() -> None:
     assert sim["read_bytes_per_rank"] == list(full.loads)
     assert sim["unique_bytes"] == full.unique_bytes
     per_rank = [sum(1 for i in full.broadcasts if r in i.ranks) for r in range(layout.world)]
-    assert sim["broadcasts_per_rank_max"] == max(per_rank)
+    assert sim["broadcast_items_per_rank_max"] == max(per_rank)
+    # The collectives load runs for them: the items packed by dcp_broadcast's own planning.
+    from dcp_broadcast import BroadcastItem
+    from dcp_broadcast._plan import build_plan
+
+    transfers = build_plan([BroadcastItem(i.reader, i.ranks, i.nbytes) for i in full.broadcasts], 6 * 1024 * 1024)
+    assert sim["broadcasts_per_rank"] == [sum(1 for t in transfers if r in t.ranks) for r in range(layout.world)]
+    assert 0 < max(sim["broadcasts_per_rank"]) < max(per_rank)
+
+
+def test_each_broadcast_mode_is_planned_as_load_plans_it() -> None:
+    """Before, the plan always assumed "auto" on files, whatever load would do."""
+    common = ("--model", "llama-8b", "--mesh", "tp=2,dp=2", "--ranks-per-host", "4", "--json", "--repeats", "1")
+    out = {mode: json.loads(_run(*common, "--broadcast", mode)[1]) for mode in ("auto", "true", "false")}
+    assert [out[m]["broadcast_replicated_tensors"] for m in out] == ["auto", True, False]
+    half = out["true"]["read_bytes_total"]
+    assert out["true"]["unique_bytes"] == half and out["true"]["broadcasts_per_rank_max"] > 0
+    for mode in ("auto", "false"):  # one host: every rank reads all it holds (norms on 4 ranks), no broadcast
+        assert out[mode]["read_bytes_total"] > 2 * half and out[mode]["broadcasts_per_rank_max"] == 0, mode
+    assert out["auto"]["read_bytes_total"] == out["false"]["read_bytes_total"]
+    spread = json.loads(_run(*common[:4], "--ranks-per-host", "1", "--json", "--repeats", "1")[1])
+    assert spread["read_bytes_total"] == half  # "auto" across hosts: read once, broadcast
+    unpacked = json.loads(_run(*common, "--broadcast", "true", "--batch-bytes", "0")[1])
+    assert unpacked["broadcasts_per_rank_max"] == unpacked["broadcast_items_per_rank_max"]
+    assert out["true"]["broadcasts_per_rank_max"] < unpacked["broadcasts_per_rank_max"]
+
+
+def test_load_mode_is_loads_rule_and_the_batch_default_is_loads() -> None:
+    import dcp_load
+    from dcp_load.plan._simulate import BATCH_BYTES, load_mode
+
+    assert BATCH_BYTES == dcp_load.DEFAULT_BATCH_BYTES
+    assert load_mode("auto", object_store=False) == (True, True)
+    assert load_mode("auto", object_store=True) == (True, False)  # no page cache shared on object storage
+    assert load_mode(True, object_store=False) == load_mode(True, object_store=True) == (True, False)
+    assert load_mode(False, object_store=True) == (False, False)
+    with pytest.raises(ValueError, match="got 'yes'"):
+        load_mode("yes", object_store=False)
 
 
 def test_text_output_has_every_number_and_a_histogram() -> None:
     code, text = _run("--model", "llama-8b", "--mesh", "tp=2,dp=4", "--fsdp")
     assert code == 0
-    for needle in ("planning per rank", "exchanged per rank", "read per rank: max", "broadcasts per rank",
+    for needle in ("broadcast_replicated_tensors='auto': each rank of a box's host reads it (8 ranks per host)",
+                   "planning per rank", "exchanged per rank", "read per rank: max", "broadcasts per rank",
                    "storage amplification", "bytes read per rank:"):
         assert needle in text
     bars = [line for line in text.splitlines() if " | " in line]
@@ -94,6 +133,7 @@ def test_a_checkpoint_directory_and_png(tmp_path) -> None:
     (["--model", "llama-8b", "--mesh", "tp=8,xp=2"], "xp=2"),
     (["--model", "llama-8b", "--mesh", "tp=0"], "tp=0"),
     (["--model", "llama-8b", "--mesh", "tp=2", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--model", "llama-8b", "--mesh", "tp=2", "--batch-bytes", "-1"], "--batch-bytes must be >= 0"),
     (["--model", "llama-8b", "--mesh", "tp=2,pp=2,tp=4"], "each dimension may be given once, got tp=2 and tp=4"),
 ])
 def test_bad_arguments_exit_2_naming_them(argv, needle, capsys) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from dcp_platform import PeerFailure
 
-from ._errors import LoadError, format_ranks
+from ._errors import LoadError
 from .layouts._aliases import resolve_aliases
 from .layouts._flat_target import check_overlaps
 from .layouts._sources import SourceMap
@@ -19,6 +19,7 @@ from .layouts._state import Chunk, Flat, flatten_state_dict, is_tensor, unsuppor
 from .layouts._target_for import target_for
 from .layouts._targets import Target, in_mesh
 from .plan._derived import checkpoint_digest, derived_plan, ensure_groups, settings_text
+from .plan._digest import checkpoint_causes
 from .plan._hosts import host_id
 from .plan._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
 from .run._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
@@ -239,13 +240,13 @@ def _enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, stor
 
 
 def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
-                  settings: tuple[Any, ...], broadcast: bool, digest: int | None) -> tuple[list[Any], Any]:
+                  settings: tuple[Any, ...], broadcast: bool, digest: tuple[Any, Any]) -> tuple[list[Any], Any]:
     """Every rank's wants and hosts (the gathered path), after checking that every rank
     passed the same broadcast settings and planned from the same checkpoint metadata (a
     checkpoint re-saved during the load, or nodes with different copies, would make the
     ranks walk different broadcast schedules: gloo aborted the process on the size
     mismatch). Either difference raises LoadError on every rank, naming the ranks.
-    ``digest``: the checkpoint's ``checkpoint_digest`` (None without a reader)."""
+    ``digest``: the checkpoint's ``checkpoint_digest`` (None without a reader) and the path opened."""
     host = host_id() if broadcast else None
     gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
                                   payload=(wants, settings, host, digest))
@@ -253,15 +254,9 @@ def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants
         per_rank = {r: [settings_text(s)] for r, (_, s, _, _) in enumerate(gathered_all)}
         raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
                          for r, c in per_rank.items()}, "validate")
-    digests: dict[Any, list[int]] = {}
-    for r, (_, _, _, d) in enumerate(gathered_all):
-        digests.setdefault(d, []).append(r)
-    if len(digests) > 1:
-        groups = sorted(digests.values(), key=lambda g: (-len(g), g))
-        raise LoadError({r: [f"read checkpoint metadata that differs from rank {groups[0][0]}'s (as do "
-                             f"{format_ranks(g)}); every rank must load the same checkpoint: "
-                             "a copy that differs, a checkpoint re-saved during the load, or different sources="]
-                         for g in groups[1:] for r in g}, "validate")
+    differ = checkpoint_causes([d for _, _, _, d in gathered_all])
+    if differ:
+        raise LoadError(differ, "validate")
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
 
 
@@ -358,15 +353,16 @@ def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepa
     # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
     meta_hash = checkpoint_digest(reader) if reader is not None else None  # hashes every chunk: once
+    path = getattr(reader, "path", None)  # shown when ranks opened checkpoints that differ
     plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
                         failed=bool(errors), settings=settings, broadcast=broadcast,
                         same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter, meta_hash=meta_hash) if collective else None
+                        watch=coord.waiter, meta_hash=meta_hash, checkpoint=path) if collective else None
     if plan is not None:
         phases.end("prepare")
         phases.end("plan")
         return plan, True
-    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, meta_hash)
+    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, (meta_hash, path))
     phases.end("prepare")
     plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
                              hosts=hosts, same_host_reads=mode == AUTO)

@@ -77,14 +77,15 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
 
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
-                 custom_planner: bool, watch: Any = None, meta_hash: int | None = None) -> GlobalPlan | None:
+                 custom_planner: bool, watch: Any = None, meta_hash: int | None = None,
+                 checkpoint: Any = None) -> GlobalPlan | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
     dict value of each name; ``settings``: what shapes the collectives (compared by hash);
     ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
     ``meta_hash``: the checkpoint's ``checkpoint_digest`` (default: ``metadata_digest`` of
-    ``tensors``).
+    ``tensors``). ``checkpoint``: the path of the checkpoint opened, shown when ranks' metadata differs.
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
@@ -99,8 +100,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
             entries = None
     local_world = local_world_size() if broadcast else 0
     host = host_id() if broadcast else ""
-    equal = [(meta_hash, "the checkpoint metadata differs from "
-              "other ranks' (open the same checkpoint, with the same sources=, on every rank)"),
+    equal = [(meta_hash, checkpoint),  # shown by _digest.checkpoint_causes
              (digest(settings, custom_planner), f"{settings_text(settings)}: every rank must pass "
               "the same broadcast settings"),
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "

@@ -51,10 +51,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import LoadError
+from .._errors import LoadError, format_ranks
 from ._derive import Derived
 
-__all__ = ["LANES_BYTES", "Agreement", "agree", "control_group", "gather_hosts"]
+__all__ = ["LANES_BYTES", "Agreement", "agree", "checkpoint_causes", "control_group", "gather_hosts"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,8 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
           entries: Sequence[Derived], host: str, local_world: int, watch: Any = None) -> Agreement:
     """The digest exchange (module docstring); raises ``LoadError`` on every rank when
     derivable ranks disagree. ``equal``: (hash, what it stands for, shown on a mismatch)
-    for metadata, settings and host mode, which every rank must share. ``watch``: bounds
+    for metadata, settings and host mode, which every rank must share; the metadata's is
+    the path of the checkpoint opened (``checkpoint_causes``). ``watch``: bounds
     every wait (a dead rank raises ``PeerFailure`` on the others)."""
     rank, world = platform.rank(), platform.world_size()
     shown = [text for _, text in equal]
@@ -285,19 +286,70 @@ def _forget(keys: Sequence[str]) -> None:
             logger.debug("could not remove %s from the store: %r", key, exc)
 
 
+#: At most this many (checkpoint, ranks) groups are listed when ranks opened different checkpoints.
+_SHOWN_CHECKPOINTS = 6
+
+LAYOUT_HINT = "every rank must pass the same state dict layout (see README, derived planning)"
+
+
+def checkpoint_causes(opened: Sequence[tuple[Any, Any]]) -> dict[int, list[str]]:
+    """What to tell each rank when ranks planned from different checkpoint metadata;
+    ``opened[r]``: rank r's (metadata hash, the checkpoint path it opened, None for a reader
+    without one). {} when every hash is equal. Where the paths differ, every rank is shown
+    which ranks opened which checkpoint; where they are one path, the ranks whose
+    metadata differs from the most common one are named (a copy that differs between nodes,
+    a checkpoint re-saved during the load, or different ``sources=``)."""
+    by_hash: dict[Any, list[int]] = {}
+    for r, (h, _) in enumerate(opened):
+        by_hash.setdefault(h, []).append(r)
+    if len(by_hash) < 2:
+        return {}
+    if len({str(p) for _, p in opened}) > 1:
+        groups: dict[tuple[Any, str], list[int]] = {}
+        for r, (h, p) in enumerate(opened):
+            groups.setdefault((h, "a storage_reader without a path" if p is None else repr(str(p))), []).append(r)
+        listed = sorted(groups.items(), key=lambda kv: kv[1][0])
+        shown = "; ".join(f"{format_ranks(ranks)} opened {where}" for (_, where), ranks in listed[:_SHOWN_CHECKPOINTS])
+        if len(listed) > _SHOWN_CHECKPOINTS:
+            shown += f"; and {len(listed) - _SHOWN_CHECKPOINTS} more checkpoint(s)"
+        text = (f"the ranks opened different checkpoints, whose metadata differs ({shown}): pass every rank the "
+                "same checkpoint_id (one directory, or identical copies of it)")
+        return {r: [text] for r in range(len(opened))}
+    ordered = sorted(by_hash.values(), key=lambda g: (-len(g), g))
+    where = opened[0][1]
+    return {r: [f"the checkpoint metadata differs from rank {ordered[0][0]}'s (on {format_ranks(g)}), though "
+                f"every rank opened {str(where)!r}: a copy that differs between nodes, a checkpoint re-saved "
+                "during the load, or different sources="] for g in ordered[1:] for r in g}
+
+
 def _summary(e: Derived) -> tuple[Any, ...]:
     return (e.shape, e.dtype, e.flags, _layout_hash(e.layout))
 
 
 def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Sequence[Derived],
                  watch: Any = None) -> dict[int, list[str]]:
-    """Gather every rank's digest and entries (only after a mismatch) and name who differs."""
+    """Gather every rank's digest and entries (only after a mismatch) and name who differs.
+    ``equal[0]`` is the checkpoint's (metadata hash, path opened): see ``checkpoint_causes``.
+    Only ranks whose entries differ are told to pass the same state dict layout."""
     details = gather(platform, (list(equal), {e.name: (_summary(e), e.holders) for e in entries}), watch)
     out: dict[int, list[str]] = {}
-    for i in range(len(equal)):
+    for r, causes in checkpoint_causes([d[0][0] for d in details]).items():
+        out.setdefault(r, []).extend(causes)
+    for i in range(1, len(equal)):
         if len({d[0][i][0] for d in details}) > 1:  # every rank shows its value: who differs is a majority call
             for r, d in enumerate(details):
                 out.setdefault(r, []).append(d[0][i][1])
+    layout = _layout_differences(details)
+    for r, causes in layout.items():
+        out.setdefault(r, []).extend([*causes, LAYOUT_HINT])
+    if not out:  # a hash collision cannot explain a mismatch the details do not show
+        out = {r: ["the plan digests differ", LAYOUT_HINT] for r in range(len(details))}
+    return out
+
+
+def _layout_differences(details: Sequence[Any]) -> dict[int, list[str]]:
+    """Per rank, the entries it holds differently from the other ranks (or lacks)."""
+    out: dict[int, list[str]] = {}
     names = sorted({name for _, held in details for name in held})
     for name in names:
         claims = {r: held[name] for r, (_, held) in enumerate(details) if name in held}
@@ -315,8 +367,4 @@ def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Seque
                                              "ranks its layout places it on lack")
         for r in lacking if len(lacking) <= len(claims) else ():
             out.setdefault(r, []).append(f"lacks {name!r}, which other ranks' mesh places on it")
-    if not out:  # a hash collision cannot explain a mismatch the details do not show
-        out = {r: ["the plan digests differ"] for r in range(len(details))}
-    for causes in out.values():
-        causes.append("every rank must pass the same state dict layout (see README, derived planning)")
     return out

@@ -9,6 +9,12 @@ norms replicated; ``Replicate`` over dp, or ``Shard(0)`` with ``fsdp``. Tensors 
 checkpoint are classified by name the same way (``o_proj``/``down_proj``/``wo``/``w2``:
 row-parallel; 1-D: replicated; ``layers.N.``: layer N).
 
+The load's ``broadcast_replicated_tensors`` mode is planned as ``load`` plans it
+(``load_mode``): ``"auto"`` (the default) broadcasts a replicated box only when its ranks
+span hosts, and on object storage (``s3://``: no page cache shared by a host's ranks)
+broadcasts as ``True`` does; ``True`` reads each box once and broadcasts it; ``False``:
+every rank reads what it holds.
+
 Every rank's role is its (pp, tp) coordinate: ``simulate`` times the rank-local planning
 (derivation, digest lanes, ``plan_for_rank``) of one rank per role, and builds the whole
 job's reads stage by stage (owners are chosen per holder set, and a stage's holder sets
@@ -33,9 +39,14 @@ from typing import Any
 from ._derive import Derived, mesh_boxes
 from ._items import BROADCASTABLE, VIEWS
 
-__all__ = ["MODELS", "Layout", "model_metadata", "parse_mesh", "simulate"]
+__all__ = ["MODELS", "MODES", "Layout", "load_mode", "model_metadata", "parse_mesh", "simulate"]
+
+#: ``dcp plan --broadcast`` value -> ``load``'s ``broadcast_replicated_tensors``
+MODES: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 FILE_BYTES = 5 * 10**9
+#: ``load``'s default ``broadcast_batch_bytes`` (``dcp_load.DEFAULT_BATCH_BYTES``)
+BATCH_BYTES = 6 * 1024 * 1024
 
 #: name -> (layers, hidden, kv dim, intermediate, vocab): Llama 3.1 shapes
 MODELS: dict[str, tuple[int, int, int, int, int]] = {
@@ -95,6 +106,18 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def load_mode(setting: bool | str, *, object_store: bool) -> tuple[bool, bool]:
+    """(broadcast, same_host_reads) of a collective ``load`` with
+    ``broadcast_replicated_tensors=setting`` (``_load._load`` decides alike): ``"auto"``
+    re-reads a host's replicas from its page cache, except on object storage, which has no
+    page cache a host's ranks share and so broadcasts as ``True`` does."""
+    if not (isinstance(setting, bool) or setting == "auto"):
+        raise ValueError(f"broadcast_replicated_tensors must be True, False or 'auto', got {setting!r}")
+    if setting == "auto" and object_store:
+        setting = True
+    return bool(setting), setting == "auto"
+
+
 @dataclass(frozen=True)
 class Layout:
     """The ``tp x pp x dp`` layout (see module docstring) and how ranks share hosts."""
@@ -104,6 +127,9 @@ class Layout:
     dp: int
     fsdp: bool = False
     ranks_per_host: int = 8
+    #: how ``load`` would plan the reads (``load_mode``): the default is "auto" on files
+    broadcast: bool = True
+    same_host_reads: bool = True
 
     @property
     def world(self) -> int:
@@ -137,7 +163,7 @@ def _placements(name: str, ndim: int, layout: Layout) -> tuple[tuple[Any, ...], 
 def stage_entries(tensors: Mapping[str, Any], layout: Layout) -> list[list[Derived]]:
     """Per pipeline stage: the derived entries every rank of the stage holds."""
     layers = 1 + max((int(m.group(1)) for n in tensors if (m := _LAYER.search(n))), default=0)
-    flags = BROADCASTABLE | VIEWS
+    flags = (BROADCASTABLE if layout.broadcast else 0) | VIEWS
     out: list[list[Derived]] = [[] for _ in range(layout.pp)]
     mesh_shape = (layout.dp, layout.tp)
     for stage in range(layout.pp):
@@ -195,7 +221,8 @@ def _plan_role(tensors: Mapping[str, Any], layout: Layout, rank: int, entries: S
     from ._local import plan_for_rank
 
     holder_lane(entries, rank)
-    plan_for_rank(tensors, entries, rank, layout.world, hosts=hosts, same_host_reads=True)
+    plan_for_rank(tensors, entries, rank, layout.world, broadcast=layout.broadcast, hosts=hosts,
+                  same_host_reads=layout.same_host_reads)
 
 
 def _time_roles(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequence[Derived]], repeats: int,
@@ -245,9 +272,33 @@ def _time_roles(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[
             [own[k][1] + shared[k // layout.tp][1] for k in range(n)])
 
 
-def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequence[Derived]]) -> dict[str, Any]:
-    """The whole job's reads, stage by stage (a stage's holder sets never leave it)."""
+class _Piece:
+    """What ``dcp_broadcast``'s packing reads of a broadcast item (without the checks a
+    ``BroadcastItem`` makes, which cost ~10 us per stage-wide rank set)."""
+
+    __slots__ = ("src", "ranks", "nbytes")
+
+    def __init__(self, src: int, ranks: tuple[int, ...], nbytes: int):
+        self.src, self.ranks, self.nbytes = src, ranks, nbytes
+
+
+def _per_rank(world: int, sets: Counter[int], objects: Mapping[int, tuple[int, ...]]) -> Any:
+    """How many of the counted sets (by id, see ``_job``) each rank is in."""
     import numpy as np
+
+    out = np.zeros(world, dtype=np.int64)
+    for key, count in sets.items():
+        out[np.asarray(objects[key])] += count
+    return out
+
+
+def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequence[Derived]],
+         batch_bytes: int) -> dict[str, Any]:
+    """The whole job's reads, stage by stage (a stage's holder sets never leave it), and its
+    broadcasts: plan items, and the collectives ``load`` runs for them (items below
+    ``batch_bytes`` packed per rank set and source, by ``dcp_broadcast``'s own packing)."""
+    import numpy as np
+    from dcp_broadcast._plan import build_plan
 
     from ._items import SPLIT_BYTES, HostBlocks
     from ._local import held_by
@@ -256,12 +307,15 @@ def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequenc
     world = layout.world
     hosts = HostBlocks(world, layout.ranks_per_host)
     loads = np.zeros(world, dtype=np.int64)
+    items = np.zeros(world, dtype=np.int64)
     bcasts = np.zeros(world, dtype=np.int64)
     group_bytes = np.zeros(world, dtype=np.int64)
     unique = fetched = 0
     for entries in per_stage:
-        builder = PlanBuilder(world, broadcast=True, hosts=hosts, same_host_reads=True, split_bytes=SPLIT_BYTES,
-                              custom=False)
+        # Hosts are passed in every mode: without broadcasts they only count a box once per
+        # host that fetches it (its ranks share a page cache), as amplification does.
+        builder = PlanBuilder(world, broadcast=layout.broadcast, hosts=hosts, same_host_reads=layout.same_host_reads,
+                              split_bytes=SPLIT_BYTES, custom=False)
         for e in entries:
             builder.add_tensor(e.name, tensors[e.name], held_by(e))
         plan = builder.finish(tensors)
@@ -269,33 +323,36 @@ def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequenc
         loads += np.asarray(plan.loads, dtype=np.int64)
         unique += plan.unique_bytes
         fetched += plan.fetched_bytes  # a box once per host that reads it (a shared page cache)
-        # Counted by object first: the builder shares one tuple per rank set, and hashing a
+        # Counted by object: the builder shares one tuple per rank set, and hashing a
         # stage-wide set of 2,048 ranks once per broadcast cost 0.1 s (TP8 x PP8 x DP256).
-        sets = Counter()
-        for key, count in Counter(id(i.ranks) for i in plan.broadcasts).items():
-            sets[objects[key]] += count
-        for ranks, count in sets.items():
-            idx = np.asarray(ranks)
-            bcasts[idx] += count
-            group_bytes[idx] += len(pickle.dumps(ranks))  # the group sets a rank reports once
+        items += _per_rank(world, Counter(id(i.ranks) for i in plan.broadcasts), objects)
+        transfers = build_plan([_Piece(i.reader, i.ranks, i.nbytes) for i in plan.broadcasts], batch_bytes)
+        bcasts += _per_rank(world, Counter(id(t.ranks) for t in transfers), objects)
+        for ranks in objects.values():
+            group_bytes[np.asarray(ranks)] += len(pickle.dumps(ranks))  # the group sets a rank reports once
     return {
         "group_set_bytes_per_rank_max": int(group_bytes.max()) if world else 0,
         "read_bytes_per_rank_max": int(loads.max()), "read_bytes_per_rank_mean": float(loads.mean()),
         "read_bytes_total": int(loads.sum()), "unique_bytes": unique,
-        "broadcasts_per_rank_max": int(bcasts.max()),
+        "broadcasts_per_rank_max": int(bcasts.max()), "broadcast_items_per_rank_max": int(items.max()),
+        "broadcast_batch_bytes": batch_bytes,
         "storage_bytes": fetched,
         "amplification": fetched / unique if unique else 0.0,
-        "read_bytes_per_rank": loads.tolist(),
+        "read_bytes_per_rank": loads.tolist(), "broadcasts_per_rank": bcasts.tolist(),
     }
 
 
 def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = True,
-             repeats: int = 1, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             repeats: int = 1, progress: Callable[[str], None] | None = None,
+             batch_bytes: int = BATCH_BYTES) -> dict[str, Any]:
     """The plan's numbers for every rank of ``layout`` (see module docstring). ``repeats``:
     time the roles in this many passes (every role in the first, the slower half in the
     others: ``_time_roles``) and keep each role's fastest (wall and CPU each), which on a
     shared machine estimates a rank with a core to itself. ``progress``: called
-    with a short line saying what runs now (``dcp plan`` shows it on a terminal)."""
+    with a short line saying what runs now (``dcp plan`` shows it on a terminal).
+    ``batch_bytes``: ``load``'s ``broadcast_batch_bytes``, which decides how many
+    collectives the broadcast items take (``broadcasts_per_rank``; the items themselves:
+    ``broadcast_items_per_rank_max``)."""
     import numpy as np
 
     from ._digest import LANES_BYTES
@@ -303,14 +360,15 @@ def simulate(tensors: Mapping[str, Any], layout: Layout, *, time_roles: bool = T
     say = progress or (lambda text: None)
     per_stage = stage_entries(tensors, layout)
     say(f"building the job's plan: {layout.world} ranks")
-    job = _job(tensors, layout, per_stage)
+    job = _job(tensors, layout, per_stage, batch_bytes)
     seconds: list[float] = []
     cpu: list[float] = []
     if time_roles:
         seconds, cpu = _time_roles(tensors, layout, per_stage, max(1, repeats), say)
     return {
         "world_size": layout.world, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp,
-        "ranks_per_host": layout.ranks_per_host, "tensors": len(tensors), "roles_timed": len(seconds),
+        "ranks_per_host": layout.ranks_per_host, "broadcast": layout.broadcast,
+        "same_host_reads": layout.same_host_reads, "tensors": len(tensors), "roles_timed": len(seconds),
         "timing_repeats": max(1, repeats) if time_roles else 0,
         "planning_seconds_max": max(seconds, default=0.0),
         "planning_seconds_median": float(np.median(seconds)) if seconds else 0.0,

@@ -47,13 +47,18 @@ def plan_numbers(plan: Any) -> dict[str, Any]:
 
 def summary_text(numbers: dict[str, Any]) -> str:
     """``"read per rank: max 9.4 MB, mean 8.6 MB (max/mean 1.096); broadcasts per rank:
-    max 1625; storage amplification: 1.0000"``; for one rank's part of a derived plan
+    max 1625; storage amplification: 1.0000"`` (``dcp plan``'s numbers also say how many
+    plan items those broadcasts pack: ``"max 212 (of 1625 items, those below 6.3 MB
+    packed)"``); for one rank's part of a derived plan
     (``scope`` names the rank), ``"broadcasts of rank 0: 7; storage amplification: 1.0000"``."""
     top, mean = numbers["read_bytes_per_rank_max"], numbers["read_bytes_per_rank_mean"]
     tail = f"storage amplification: {numbers['amplification']:.4f}"
     if top is None:
         rank = numbers["scope"].split("'", 1)[0]
         return f"broadcasts of {rank}: {numbers['broadcasts_per_rank_max']}; {tail}"
+    bcasts = f"broadcasts per rank: max {numbers['broadcasts_per_rank_max']}"
+    if "broadcast_items_per_rank_max" in numbers:  # dcp plan: the collectives, and the plan items they pack
+        bcasts = (f"{bcasts} (of {numbers['broadcast_items_per_rank_max']} items, those below "
+                  f"{human_bytes(numbers['broadcast_batch_bytes'])} packed)")
     return (f"read per rank: max {human_bytes(top)}, mean {human_bytes(mean)} (max/mean "
-            f"{top / mean if mean else 0.0:.3f}); broadcasts per rank: max {numbers['broadcasts_per_rank_max']}; "
-            f"{tail}")
+            f"{top / mean if mean else 0.0:.3f}); {bcasts}; {tail}")
