@@ -276,7 +276,8 @@ def test_sigkill_mid_way_leaves_nothing_a_loader_takes(tmp_path):
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(timeout=30)
         assert not (tmp_path / "dst").exists()
-        leftovers = [p for p in tmp_path.iterdir() if p.name not in ("src",)]
+        # the lock file stays (its flock died with the process: the next run takes it)
+        leftovers = [p for p in tmp_path.iterdir() if p.name not in ("src", ".dst.dcp-convert.lock")]
         assert len(leftovers) == 1 and leftovers[0].name.startswith(".dst.dcp-convert-")
         names = sorted(p.name for p in leftovers[0].iterdir())
         assert names and all(n.endswith(".partial") for n in names), names
@@ -287,6 +288,8 @@ def test_sigkill_mid_way_leaves_nothing_a_loader_takes(tmp_path):
         import shutil
 
         shutil.rmtree(leftovers[0])
+    dcp_load.convert(tmp_path / "src", tmp_path / "dst", max_shard_bytes="8KB")  # no stale lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]
 
 
 def test_cli_convert(tmp_path, capsys):
@@ -323,22 +326,19 @@ def test_sources_file_renames(tmp_path):
 
 def test_sources_file_composed(tmp_path):
     """Concat/Stack/Slice are parsed into load's classes and the output shapes computed."""
-    from dcp_load.conversion._sources import composed_tensors, load_sources_file
+    from dcp_load.conversion._sources import load_sources_file, map_outputs
 
     _write("native", tmp_path / "src")
     spec = tmp_path / "s.json"
     spec.write_text(json.dumps({"fused": {"concat": ["layers.0.w", {"slice": "layers.1.w", "dim": 1, "start": 0,
                                                                   "stop": 48}], "dim": 0}}))
-    if not hasattr(dcp_load, "Concat"):
-        with pytest.raises(ValueError, match="Concat/Stack/Slice"):
-            load_sources_file(spec)
-        return
     sources = load_sources_file(spec)
     from dcp_reader import open_checkpoint
 
     with open_checkpoint(tmp_path / "src") as r:
-        composed, consumed, _ = composed_tensors(r.metadata, sources)
-    assert composed == {"fused": ((112, 48), "float32")} and consumed == {"layers.0.w", "layers.1.w"}
+        mapped = map_outputs(r.metadata, sources, None)
+    assert mapped.tensors["fused"] == ((112, 48), "float32")
+    assert "layers.0.w" not in mapped.tensors and "layers.1.w" not in mapped.tensors  # read by "fused"
     dcp_load.convert(tmp_path / "src", tmp_path / "out", sources=sources)
     t = _tensors()
     want = torch.cat([t["layers.0.w"], t["layers.1.w"][:, :48].float()])

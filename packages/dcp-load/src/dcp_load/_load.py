@@ -317,7 +317,7 @@ def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: An
             from .layouts._sourced_reader import apply_sources
 
             applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict,
-                                    values=[leaf.name for leaf in prep.values])
+                                    values=[leaf.name for leaf in prep.values], whole=not platform.is_distributed())
             errors.extend(applied.errors)
             prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
             cast, skipped, through = applied.cast, applied.missing, applied.tied

@@ -1,14 +1,16 @@
 """``convert``: a checkpoint into Hugging Face safetensors shards or the native format,
 streamed into preallocated files at a memory bound that does not grow with the model.
 
-Call order: the layout of every output file is computed from the source's metadata
-(``_convert_layout``); a temporary directory beside ``dst`` receives every file, created,
-preallocated and given its final header, under a ``.partial`` name; the files are filled in
-place (``_convert_fill``: one load per group of tensors, in this process, or shared with
-``workers - 1`` worker processes, ``_convert_workers``); each is renamed to its final name
-once all are whole; the index (Hugging Face) or metadata (native) is written last; the
-directory is renamed to ``dst``. A conversion killed at any point leaves no complete-looking checkpoint at ``dst``,
-and its temporary directory holds only ``.partial`` files until every one is whole.
+Call order: the source and DST are resolved and checked (``_place``); the outputs (names,
+shapes, where each comes from) are computed from the source's metadata through ``prefix=``
+and ``sources=`` (``_sources``: load's ``SourceMap`` and ``compose``, every mistake refused
+here, before any file exists); the layout of every output file follows (``_layout``); DST
+is locked against a second conversion; a temporary directory beside it receives every file,
+created, preallocated and given its final header, under a ``.partial`` name; the files are
+filled in place (``_fill``: one load per group of tensors, in this process, or shared with
+``workers - 1`` worker processes, ``_workers``); each is renamed to its final name once all
+are whole; ``config.json`` (when given), then the index (Hugging Face) or metadata (native)
+are written last; the directory then replaces DST in one rename (``_place.place``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from ._layout import (
     oversized,
     parse_size,
 )
+from ._place import DestinationLock, fsync_dir, new_temporary, place, resolve_paths, write_json
 from ._workers import run_workers
 
 __all__ = ["ConvertReport", "convert", "select_names"]
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("hf", "native")
 HF_INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
 
 
 @dataclass(frozen=True)
@@ -93,50 +96,32 @@ def select_names(names: Sequence[str], keys: Any, what: str = "keys") -> list[st
     return [n for n in names if n in chosen]
 
 
-def _check_dst(src_real: str, dst: str, overwrite: bool) -> str:
-    dst_abs = os.path.abspath(dst)
-    real = os.path.realpath(dst_abs)
-    if real == src_real or real.startswith(src_real + os.sep) or src_real.startswith(real + os.sep):
-        raise ValueError(f"dst {dst!r} is the source {src_real!r}, inside it or holds it; convert into "
-                         "another directory")
-    if os.path.lexists(dst_abs) and not os.path.isdir(dst_abs):
-        raise FileExistsError(f"dst {dst!r} exists and is not a directory; remove it or choose another path")
-    if os.path.isdir(dst_abs) and os.listdir(dst_abs) and not overwrite:
-        raise FileExistsError(f"dst {dst!r} exists and is not empty ({len(os.listdir(dst_abs))} entries); it is "
-                              "left untouched. Choose another path, or pass overwrite=True (--overwrite) to "
-                              "replace it once the conversion has finished")
-    parent = os.path.dirname(dst_abs) or "."
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"the parent directory of dst {dst!r} does not exist: create {parent!r} first")
-    return dst_abs
-
-
-def _out_tensors(meta: Any, names: Sequence[str], dtype: str | None, native: bool,
-                 composed: Mapping[str, tuple[tuple[int, ...], str]]) -> list[OutTensor]:
+def _out_tensors(tensors: Mapping[str, tuple[tuple[int, ...], str]], names: Sequence[str], dtype: str | None,
+                 native: bool) -> list[OutTensor]:
     from dcp_reader import chunk_key
 
     out = []
     for name in names:
-        shape, saved = composed[name] if name in composed else (meta.tensors[name].shape, meta.tensors[name].dtype)
+        shape, saved = tensors[name]
         to = dtype if dtype is not None and saved in FLOATING else saved
         key = chunk_key(name, (0,) * len(shape)) if native else name
         out.append(OutTensor(name, tuple(shape), to, key))
     return out
 
 
-def _values(reader: Any, names: Sequence[str], native: bool) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-    """(values kept, (name, reason) of values skipped). A Hugging Face output holds tensors
-    only; a native one keeps every value that can be read without unpickling arbitrary
-    objects and stored as JSON."""
+def _values(reader: Any, names: Mapping[str, str], native: bool) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """(values kept, (name, reason) of values skipped), of ``names`` ({output name: saved
+    name}). A Hugging Face output holds tensors only; a native one keeps every value that
+    can be read without unpickling arbitrary objects and stored as JSON."""
     from dcp_reader import CheckpointError
     from dcp_reader._values import is_storable_value
 
     if not native:
         return {}, [(n, "a Hugging Face safetensors checkpoint holds tensors only") for n in names]
     kept, skipped = {}, []
-    for name in names:
+    for name, saved in names.items():
         try:
-            value = reader.read_value(name)
+            value = reader.read_value(saved)
         except CheckpointError as exc:
             skipped.append((name, f"unreadable without allow_pickle ({type(exc).__name__}: {str(exc)[:120]})"))
             continue
@@ -166,18 +151,6 @@ def _prepare_files(root: str, files: Sequence[OutFile]) -> None:
             os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    from dcp_reader.write._writer import _fsync_dir as sync
-
-    sync(path)
-
-
-def _write_json(path: str, doc: Any) -> int:
-    from dcp_reader.write._writer import _atomic_write
-
-    return _atomic_write(path, [json.dumps(doc, indent=2).encode()])
-
-
 def _commit_native(root: str, files: Sequence[OutFile], results: Mapping[str, FileResult],
                    values: Mapping[str, Any]) -> int:
     from dcp_reader import CheckpointMetadata, ChunkMeta, NativeWriter, TensorMeta
@@ -204,20 +177,7 @@ def _commit_hf(root: str, files: Sequence[OutFile]) -> int:
     weight_map = {t.name: f.name for f in files for t, _, _ in f.tensors}
     total = sum(t.nbytes for f in files for t, _, _ in f.tensors)
     doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    return _write_json(os.path.join(root, HF_INDEX), doc)
-
-
-def _move_into_place(tmp: str, dst: str) -> None:
-    """Rename the finished directory to ``dst``; an existing ``dst`` (empty, or replaced with
-    overwrite) is moved aside first and removed only once the new one is in place."""
-    old = None
-    if os.path.lexists(dst):
-        old = os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.dcp-convert-old-{uuid.uuid4().hex[:8]}")
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    _fsync_dir(os.path.dirname(dst) or ".")
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return write_json(os.path.join(root, HF_INDEX), doc)
 
 
 class _Progress:
@@ -245,17 +205,23 @@ class _Progress:
 
 def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str = "hf",
             max_shard_bytes: int | str | None = None, dtype: Any = None, keys: Any = None, sources: Any = None,
-            workers: int = 1, overwrite: bool = False, quiet: bool = False) -> ConvertReport:
-    """Convert the checkpoint ``src`` (any format dcp reads) into ``dst``: ``to="hf"``
-    (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``) or
-    ``"native"`` (dcp's format, block checksums, values kept). See the README, "dcp convert".
+            prefix: Any = None, config: Any = None, workers: int = 1, overwrite: bool = False,
+            quiet: bool = False) -> ConvertReport:
+    """Convert the checkpoint ``src`` (any format dcp reads, a directory or ``s3://...``)
+    into the local directory ``dst``: ``to="hf"`` (``model-0000i-of-0000N.safetensors`` +
+    ``model.safetensors.index.json``) or ``"native"`` (dcp's format, block checksums, values
+    kept). See the README, "Converting".
 
     ``max_shard_bytes``: bytes per file (an int, or ``"5GB"``, ``"2GiB"``; default 5 GB).
-    ``dtype``: cast floating tensors to it (integer and bool tensors never). ``keys``: names
-    or glob patterns to convert (default all). ``sources``: the ``sources=`` mapping of
-    ``load`` (destination names), or a path to a JSON or Python file holding it.
-    ``workers``: processes that share the output files (this one included). ``overwrite``: replace a non-empty
-    ``dst`` once the new checkpoint is complete. ``quiet``: no progress bar.
+    ``dtype``: cast floating tensors to it (integer and bool tensors never). ``prefix``:
+    convert only the names under a prefix, renamed: ``"model."`` keeps ``model.*`` without
+    it, ``{"model.": "", "ema.": "ema_model."}`` several; ``sources`` and ``keys`` then see
+    the renamed names. ``sources``: the ``sources=`` mapping of ``load`` (output names), or
+    a path to a JSON or Python file holding it. ``keys``: output names or glob patterns to
+    convert (default all). ``config``: a model config (a path to a JSON file, or a dict)
+    written as ``config.json`` (``to="hf"``). ``workers``: processes that share the output
+    files (this one included). ``overwrite``: replace a non-empty ``dst`` once the new
+    checkpoint is complete. ``quiet``: no progress bar.
     """
     t0 = time.perf_counter()
     if to not in FORMATS:
@@ -263,73 +229,94 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
     limit = DEFAULT_SHARD_BYTES if max_shard_bytes is None else parse_size(max_shard_bytes)
-    dtype = cast_dtype(dtype)
-    native = to == "native"
-    src_real = os.path.realpath(os.fspath(src))
-    dst_abs = _check_dst(src_real, os.fspath(dst), overwrite)
-    out, values, skipped, sources = _outputs(src_real, sources, keys, dtype, native)
+    dtype, native = cast_dtype(dtype), to == "native"
+    config_doc = _config(config, to)
+    src_root, dst_abs = resolve_paths(src, dst, overwrite)
+    out, reads, values, skipped = _outputs(src_root, sources, prefix, keys, dtype, native)
     for name, reason in skipped:
         logger.warning("skipped %r: %s", name, reason)
     if not out and not native:
-        raise ValueError(f"nothing to convert: no tensor of {src_real} is selected (keys={keys!r})")
+        raise ValueError(f"nothing to convert: no tensor of {src_root} is selected (keys={keys!r}, prefix={prefix!r})")
     files = layout_files(out, limit, {"format": "pt"} if not native else _native_meta()) if out else []
     for fname, tname, size in oversized(files, limit):
         logger.warning("%s holds only %r, %s: larger than the shard size %s (a tensor is never split)", fname,
                        tname, human_bytes(size), human_bytes(limit))
-    tmp = os.path.join(os.path.dirname(dst_abs), f".{os.path.basename(dst_abs)}.dcp-convert-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    progress = _Progress(sum(f.data_bytes for f in files), len(files), quiet)
-    try:
-        results, tail = _write(src_real, tmp, files, values, progress, sources=sources, native=native,
-                               workers=workers)
-        _move_into_place(tmp, dst_abs)
-    except BaseException:
-        progress.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    written = sum(f.size for f in files) + tail
+    with DestinationLock(dst_abs):
+        tmp = new_temporary(dst_abs)
+        progress = _Progress(sum(f.data_bytes for f in files), len(files), quiet)
+        try:
+            results, tail = _write(src_root, tmp, files, values, progress, reads=reads, native=native,
+                                   workers=workers, config=config_doc)
+            place(tmp, dst_abs, overwrite)
+        except BaseException:
+            progress.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     report = ConvertReport(
-        src=src_real, dst=dst_abs, format=to, tensors=len(out), bytes_read=sum(r.bytes_read for r in results),
-        bytes_written=written, files=tuple(f.name for f in files), seconds=time.perf_counter() - t0,
-        skipped=tuple(skipped), cast=tuple(sorted({n for r in results for n in r.cast})),
-        workers=min(workers, max(1, len(files))), values=len(values))
+        src=src_root, dst=dst_abs, format=to, tensors=len(out), bytes_read=sum(r.bytes_read for r in results),
+        bytes_written=sum(f.size for f in files) + tail, files=tuple(f.name for f in files),
+        seconds=time.perf_counter() - t0, skipped=tuple(skipped),
+        cast=tuple(sorted({n for r in results for n in r.cast})), workers=min(workers, max(1, len(files))),
+        values=len(values))
     logger.info("converted %s -> %s (%s): %d tensor(s) in %d file(s), %s read, %s written in %.2f s on %d "
-                "worker(s)%s", src_real, dst_abs, to, report.tensors, len(files), human_bytes(report.bytes_read),
+                "worker(s)%s", src_root, dst_abs, to, report.tensors, len(files), human_bytes(report.bytes_read),
                 human_bytes(report.bytes_written), report.seconds, report.workers,
                 f"; {len(skipped)} value(s) skipped" if skipped else "")
     return report
 
 
-def _outputs(src_real: str, sources: Any, keys: Any, dtype: str | None, native: bool
-             ) -> tuple[list[OutTensor], dict[str, Any], list[tuple[str, str]], Any]:
-    """(output tensors, values kept, (name, reason) skipped, what the fill passes to load),
-    from the source's metadata, ``sources`` and ``keys``."""
+def _config(config: Any, to: str) -> dict[str, Any] | None:
+    """``config=`` as the JSON object written as ``config.json``: a dict, or a path to one."""
+    if config is None:
+        return None
+    if to != "hf":
+        raise ValueError("config= (--config) is written for a Hugging Face output only (to='hf'); a native "
+                         "checkpoint holds no model config")
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config {path!r} is not JSON ({exc}); pass the model's config.json") from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a JSON object (a dict, or a path to a .json file holding one), got "
+                         f"{type(config).__name__}")
+    doc = dict(config)
+    try:
+        json.dumps(doc)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config cannot be written as JSON: {exc}") from None
+    if "model_type" not in doc:
+        logger.warning("config has no 'model_type': transformers' Auto classes cannot tell the model from it")
+    return doc
+
+
+def _outputs(src_root: str, sources: Any, prefix: Any, keys: Any, dtype: str | None, native: bool
+             ) -> tuple[list[OutTensor], dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
+    """(output tensors, {output: source over saved names} of those not read under their own
+    name, values kept, (name, reason) skipped), from the source's metadata, ``prefix``,
+    ``sources`` and ``keys``: every mapping mistake is raised here, before any file exists."""
     from dcp_reader import open_checkpoint
 
+    from ._sources import load_sources_file, map_outputs
+
     if isinstance(sources, (str, os.PathLike)):
-        from ._sources import load_sources_file
-
         sources = load_sources_file(sources)
-    with open_checkpoint(src_real) as reader:
-        meta = reader.metadata
-        composed, consumed, renames = {}, set(), {}
-        if sources:
-            from ._sources import composed_tensors
-
-            composed, consumed, renames = composed_tensors(meta, sources)
-            sources = _load_sources(sources, renames)
-        tensor_names = sorted([n for n in meta.tensors if n not in consumed and n not in composed] + list(composed))
-        value_names = sorted(meta.values)
-        chosen = set(select_names(tensor_names + value_names, keys))
-        out = _out_tensors(meta, [n for n in tensor_names if n in chosen], dtype, native, composed)
-        values, skipped = _values(reader, [n for n in value_names if n in chosen], native)
-    return out, values, skipped, sources
+    with open_checkpoint(src_root) as reader:
+        mapped = map_outputs(reader.metadata, sources, prefix)
+        chosen = set(select_names(list(mapped.tensors) + list(mapped.values), keys))
+        out = _out_tensors(mapped.tensors, [n for n in mapped.tensors if n in chosen], dtype, native)
+        values, skipped = _values(reader, {n: s for n, s in mapped.values.items() if n in chosen}, native)
+    reads = {t.name: mapped.reads[t.name] for t in out if t.name in mapped.reads}
+    return out, reads, values, skipped
 
 
-def _write(src_real: str, tmp: str, files: Sequence[OutFile], values: Mapping[str, Any], progress: _Progress, *,
-           sources: Any, native: bool, workers: int) -> tuple[list[FileResult], int]:
-    """Every file of ``tmp`` written, fsynced and renamed to its final name, then the index
-    or metadata last: (per-file results, bytes of the index or metadata)."""
+def _write(src_root: str, tmp: str, files: Sequence[OutFile], values: Mapping[str, Any], progress: _Progress, *,
+           reads: Mapping[str, Any], native: bool, workers: int, config: Mapping[str, Any] | None
+           ) -> tuple[list[FileResult], int]:
+    """Every file of ``tmp`` written, fsynced and renamed to its final name, then
+    ``config.json`` and the index or metadata last: (per-file results, bytes of those)."""
     _prepare_files(tmp, files)
     by_name = {f.name: f for f in files}
 
@@ -337,25 +324,18 @@ def _write(src_real: str, tmp: str, files: Sequence[OutFile], values: Mapping[st
         progress.file(r, by_name[r.name])
 
     if workers == 1 or len(files) < 2:
-        results = fill_files(src_real, tmp, files, sources=sources, native=native, on_bytes=progress.advance,
+        results = fill_files(src_root, tmp, files, reads=reads, native=native, on_bytes=progress.advance,
                              on_file=on_file)
     else:
-        results = run_workers(src_real, tmp, files, workers, sources=sources, native=native,
+        results = run_workers(src_root, tmp, files, workers, reads=reads, native=native,
                               on_bytes=progress.advance, on_file=on_file)
     progress.close()
     for f in files:
         os.rename(os.path.join(tmp, partial_name(f.name)), os.path.join(tmp, f.name))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
+    tail = write_json(os.path.join(tmp, CONFIG), config) if config is not None else 0
     by_result = {r.name: r for r in results}
-    return results, _commit_native(tmp, files, by_result, values) if native else _commit_hf(tmp, files)
-
-
-def _load_sources(sources: Mapping[str, Any], renames: Mapping[str, str]) -> Any:
-    """What the fill passes on: renames alone are done here (each output tensor loads from
-    its saved name), composed sources go to ``load(sources=...)``."""
-    if all(isinstance(v, str) for v in sources.values()):
-        return {"renames": dict(renames)}
-    return {"load": dict(sources)}
+    return results, tail + (_commit_native(tmp, files, by_result, values) if native else _commit_hf(tmp, files))
 
 
 def _native_meta() -> dict[str, str]:

@@ -50,9 +50,8 @@ def partial_name(name: str) -> str:
 
 
 def _views(mm: mmap.mmap, f: OutFile) -> dict[str, Any]:
-    """{tensor name: a torch tensor over its bytes in the mapping}. ``torch.frombuffer``
-    accepts any byte offset: in name order a tensor may start at an offset its dtype's
-    alignment does not divide (int64 after bool), which a dtype ``view`` would refuse."""
+    """{output name: a torch tensor over its bytes in the mapping}, keyed by the output's
+    own name: two outputs read from one saved tensor (an embedding untied) are two views."""
     import torch
 
     out = {}
@@ -78,9 +77,25 @@ def _groups(f: OutFile) -> list[list[str]]:
     return groups
 
 
-def fill_file(reader: Any, root: str, f: OutFile, *, sources: Any, native: bool,
+def _reader_for(reader: Any, f: OutFile, reads: Mapping[str, Any]) -> Any:
+    """``reader``, or (when some outputs of ``f`` are not read under their own names) the
+    reader that ``load(sources=)`` uses, showing each such output as the virtual tensor its
+    source composes (``layouts/_sourced_reader.py``), reading the real saved bytes."""
+    mine = {t.name: reads[t.name] for t, _, _ in f.tensors if t.name in reads}
+    if not mine:
+        return reader
+    from ..layouts._sourced_reader import SourcedMetadata, SourcedReader, virtual_tensor
+
+    saved = reader.metadata.tensors
+    virtual = {name: virtual_tensor(name, src, saved) for name, src in mine.items()}
+    return SourcedReader(reader, SourcedMetadata(reader.metadata, virtual))
+
+
+def fill_file(reader: Any, root: str, f: OutFile, *, reads: Mapping[str, Any], native: bool,
               on_bytes: Callable[[int], None] | None = None) -> FileResult:
-    """Fill ``root/partial_name(f.name)`` (created, preallocated and headed already)."""
+    """Fill ``root/partial_name(f.name)`` (created, preallocated and headed already).
+    ``reads``: {output name: source over saved names} of the outputs not read under their
+    own name (``_sources.Outputs.reads``)."""
     from .._load import load
 
     t0 = time.perf_counter()
@@ -96,12 +111,9 @@ def fill_file(reader: Any, root: str, f: OutFile, *, sources: Any, native: bool,
         try:
             views = _views(mm, f)
             sizes = {t.name: end - begin for t, begin, end in f.tensors}
-            sources = sources or {}
-            extra = {"sources": sources["load"]} if "load" in sources else {}
-            saved = sources.get("renames", {})
+            source = _reader_for(reader, f, reads)
             for names in _groups(f):
-                report = load({saved.get(n, n): views[n] for n in names}, storage_reader=reader, no_dist=True,
-                              **extra)
+                report = load({n: views[n] for n in names}, storage_reader=source, no_dist=True)
                 bytes_read += report.bytes_read
                 cast.extend(report.cast)
                 if on_bytes is not None:
@@ -133,7 +145,7 @@ def _checksums(mm: mmap.mmap, f: OutFile) -> dict[str, str]:
         view.release()
 
 
-def fill_files(src: str, root: str, files: Sequence[OutFile], *, sources: Any, native: bool,
+def fill_files(src: str, root: str, files: Sequence[OutFile], *, reads: Mapping[str, Any], native: bool,
                on_bytes: Callable[[int], None] | None = None,
                on_file: Callable[[FileResult], None] | None = None,
                claim: Callable[[], int | None] | None = None) -> list[FileResult]:
@@ -145,7 +157,7 @@ def fill_files(src: str, root: str, files: Sequence[OutFile], *, sources: Any, n
     order = iter(range(len(files))) if claim is None else iter(claim, None)
     with open_checkpoint(src) as reader:
         for i in order:
-            result = fill_file(reader, root, files[i], sources=sources, native=native, on_bytes=on_bytes)
+            result = fill_file(reader, root, files[i], reads=reads, native=native, on_bytes=on_bytes)
             out.append(result)
             if on_file is not None:
                 on_file(result)
@@ -166,7 +178,7 @@ def claimer(counter: Any, n: int) -> Callable[[], int | None]:
     return claim
 
 
-def worker_main(src: str, root: str, files: Sequence[OutFile], counter: Any, sources: Any, native: bool,
+def worker_main(src: str, root: str, files: Sequence[OutFile], counter: Any, reads: Mapping[str, Any], native: bool,
                 queue: Any, threads: int = 1) -> None:
     """A worker process: fill the files it claims from ``counter``, telling the parent bytes
     done and each file finished, and at the end either ``("done",)`` or ``("error", text)``.
@@ -176,7 +188,7 @@ def worker_main(src: str, root: str, files: Sequence[OutFile], counter: Any, sou
 
         torch.set_num_threads(threads)
         queue.put(("started",))
-        fill_files(src, root, files, sources=sources, native=native, claim=claimer(counter, len(files)),
+        fill_files(src, root, files, reads=reads, native=native, claim=claimer(counter, len(files)),
                    on_bytes=lambda n: queue.put(("bytes", n)), on_file=lambda r: queue.put(("file", r)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
         queue.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -1,7 +1,8 @@
 """Where every byte of a converted checkpoint goes, computed before anything is read.
 
-Output tensors are laid out in name order into files of at most ``max_shard_bytes`` (header
-included); a tensor larger than that gets a file of its own (a safetensors tensor cannot be
+Output tensors are assigned in name order to files of at most ``max_shard_bytes`` (header
+included), and inside a file placed larger elements first so that each starts at a multiple
+of its element size; a tensor larger than that gets a file of its own (a safetensors tensor cannot be
 split). Each file's safetensors header is final before its data is written, so the file can
 be preallocated and filled in place, in any order, by any worker.
 """
@@ -113,25 +114,47 @@ def _header(meta: Mapping[str, str], placed: Sequence[tuple[OutTensor, int, int]
     return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
 
 
+def _itemsize(t: OutTensor) -> int:
+    from dcp_reader._dtypes import itemsize
+
+    return itemsize(t.dtype)
+
+
+def _placed(group: Sequence[OutTensor]) -> list[tuple[OutTensor, int, int]]:
+    """The tensors of one file in data order: larger elements first, then by name (as
+    safetensors' own writer orders them). The data section starts 8-byte aligned and holds
+    no gaps (safetensors refuses holes), so each tensor then starts at a multiple of its
+    element size: a zero-copy loader may ``view`` the mapping as its dtype."""
+    out, pos = [], 0
+    for t in sorted(group, key=lambda t: (-_itemsize(t), t.name)):
+        out.append((t, pos, pos + t.nbytes))
+        pos += t.nbytes
+    return out
+
+
 def layout_files(tensors: Sequence[OutTensor], max_shard_bytes: int, meta: Mapping[str, str]) -> list[OutFile]:
-    """Files in order, tensors in name order, each file at most ``max_shard_bytes`` bytes
-    (header included) unless it holds a single larger tensor. Names are given by
-    ``file_names`` afterwards, once the count is known."""
+    """Files in order, tensors assigned to them in name order, each file at most
+    ``max_shard_bytes`` bytes (header included) unless it holds a single larger tensor;
+    inside a file, tensors in data order (``_placed``). Names are given by ``file_names``
+    afterwards, once the count is known."""
     base = len(json.dumps({"__metadata__": dict(meta)}, separators=(",", ":"))) + 8 + 7
-    groups: list[list[tuple[OutTensor, int, int]]] = [[]]
+    # a header entry is sized with offsets as long as the file's largest: the data order is
+    # known only once the file's tensors are
+    widest = max(max_shard_bytes, max((t.nbytes for t in tensors), default=0))
+    groups: list[list[OutTensor]] = [[]]
     size = base
     for t in sorted(tensors, key=lambda t: t.name):
-        cur = groups[-1]
-        begin = cur[-1][2] if cur else 0
-        add = t.nbytes + len(_entry(t, begin, begin + t.nbytes)) + 1
-        if cur and size + add > max_shard_bytes:
+        add = t.nbytes + len(_entry(t, widest, widest)) + 1
+        if groups[-1] and size + add > max_shard_bytes:
             groups.append([])
-            cur, size, begin = groups[-1], base, 0
-            add = t.nbytes + len(_entry(t, 0, t.nbytes)) + 1
-        cur.append((t, begin, begin + t.nbytes))
+            size = base
+        groups[-1].append(t)
         size += add
     names = file_names(len(groups))
-    out = [OutFile(name, _header(meta, g), tuple(g)) for name, g in zip(names, groups, strict=True)]
+    out = []
+    for name, group in zip(names, groups, strict=True):
+        placed = _placed(group)
+        out.append(OutFile(name, _header(meta, placed), tuple(placed)))
     for f in out:
         assert len(f.tensors) == 1 or f.size <= max_shard_bytes, (f.name, f.size)
     return out

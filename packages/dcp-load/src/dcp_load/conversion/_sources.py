@@ -1,5 +1,8 @@
-"""``--sources FILE``: the ``sources=`` mapping of ``load`` read from a JSON or Python file,
-and the output tensors it composes (their names, shapes and dtypes) for ``convert``.
+"""What ``convert`` writes and where each output comes from: the checkpoint seen through
+``prefix=`` (select and rename by name prefix), then through ``sources=``, which is
+``load``'s own ``SourceMap`` and ``compose`` (``layouts/_sources.py``): every mapping is
+checked once, as ``load`` checks it, before any output file exists. And ``--sources FILE``:
+the mapping read from a JSON or Python file.
 
 JSON form: ``{"dest": "saved name"}`` renames; ``{"concat": [parts], "dim": d, "groups":
 g}``, ``{"stack": [parts], "dim": d}`` and ``{"slice": "saved name", "dim": d, "start": a,
@@ -13,14 +16,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import runpy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..layouts._sources import Concat, Slice, Stack
+from ..layouts._keys import missing_advice
+from ..layouts._sources import (
+    Concat,
+    Slice,
+    SourceError,
+    SourceMap,
+    Stack,
+    compose,
+    describe,
+    leaves,
+    map_leaves,
+)
 
-__all__ = ["composed_tensors", "load_sources_file", "sources_from_json"]
+__all__ = ["Outputs", "load_sources_file", "map_outputs", "prefix_map", "sources_from_json"]
 
 
 def _part(value: Any, where: str) -> Any:
@@ -76,72 +90,137 @@ def load_sources_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return sources_from_json(doc, path)
 
 
-# -- geometry ---------------------------------------------------------------------------------
-def _names(src: Any) -> list[str]:
-    """The saved-name patterns ``src`` reads, in order."""
-    if isinstance(src, str):
-        return [src]
-    if hasattr(src, "parts"):
-        return [n for p in src.parts for n in _names(p)]
-    return _names(src.source)
+#: Mapping problems listed in full in one error (a generated mapping can give thousands).
+_SHOWN = 10
 
 
-def _pattern(text: str) -> re.Pattern[str]:
-    out, pos = [], 0
-    for m in re.finditer(r"\{(\w+)\}", text):
-        out.append(re.escape(text[pos:m.start()]))
-        out.append(f"(?P<{m.group(1)}>[^.]+)")
-        pos = m.end()
-    out.append(re.escape(text[pos:]))
-    return re.compile("".join(out) + r"\Z")
+# -- the outputs --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outputs:
+    """``tensors``: {output name: (shape, dtype of its saved bytes)}; ``reads``: {output
+    name: its source over the checkpoint's saved names} for each output not read under its
+    own name (renamed by ``prefix=`` or mapped by ``sources=``); ``values``: {output name:
+    saved name} of the non-tensor values."""
+
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+    reads: dict[str, Any]
+    values: dict[str, str]
 
 
-def _shape(meta: Any, src: Any, bind: Mapping[str, str], dest: str) -> tuple[tuple[int, ...], str]:
-    if isinstance(src, str):
-        name = src.format(**bind)
-        t = meta.tensors.get(name)
-        if t is None:
-            raise ValueError(f"sources {dest!r}: the checkpoint has no tensor {name!r}")
-        return tuple(t.shape), t.dtype
-    if hasattr(src, "parts"):
-        shapes = [_shape(meta, p, bind, dest) for p in src.parts]
-        dim = src.dim
-        if not hasattr(src, "groups"):  # Stack
-            first = shapes[0][0]
-            return (*first[:dim], len(shapes), *first[dim:]), shapes[0][1]
-        first = list(shapes[0][0])
-        first[dim] = sum(s[dim] for s, _ in shapes)
-        return tuple(first), shapes[0][1]
-    shape, dtype = _shape(meta, src.source, bind, dest)
-    out = list(shape)
-    out[src.dim] = src.stop - src.start
-    return tuple(out), dtype
+def prefix_map(prefix: Any) -> dict[str, str] | None:
+    """``prefix=`` as {saved prefix: output prefix}: a str ``p`` is ``{p: ""}`` (keep the
+    names under ``p``, without it); None keeps every name as saved."""
+    if prefix is None:
+        return None
+    if isinstance(prefix, str):
+        prefix = {prefix: ""}
+    if not isinstance(prefix, Mapping) or not prefix:
+        raise TypeError(f"convert: prefix must be a str or a non-empty mapping {{saved prefix: output prefix}}, "
+                        f"got {prefix!r:.80}")
+    bad = [(k, v) for k, v in prefix.items() if not isinstance(k, str) or not k or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"convert: prefix maps non-empty str saved prefixes to str output prefixes, got "
+                        f"{', '.join(f'{k!r}: {v!r}' for k, v in bad[:3])}")
+    return dict(prefix)
 
 
-def composed_tensors(meta: Any, sources: Mapping[str, Any]
-                     ) -> tuple[dict[str, tuple[tuple[int, ...], str]], set[str], dict[str, str]]:
-    """({destination name: (shape, dtype)}, saved names the sources read, {destination:
-    saved name} of the renames). A destination's placeholders are bound by every saved name
-    its first source matches; a tensor the sources read is not also written under its own
-    name."""
-    composed: dict[str, tuple[tuple[int, ...], str]] = {}
-    consumed: set[str] = set()
-    renames: dict[str, str] = {}
-    saved = sorted(meta.tensors)
-    for dest, src in sources.items():
-        names = _names(src)
-        first = _pattern(names[0])
-        binds = [m.groupdict() for n in saved if (m := first.match(n))]
-        if not binds:
-            raise ValueError(f"sources {dest!r}: no saved tensor matches {names[0]!r}")
-        for bind in binds:
-            try:
-                name = dest.format(**bind)
-            except KeyError as exc:
-                raise ValueError(f"sources {dest!r}: placeholder {exc} is not in its first source "
-                                 f"{names[0]!r}") from None
-            composed[name] = _shape(meta, src, bind, dest)
-            consumed.update(n.format(**bind) for n in names)
-            if isinstance(src, str):
-                renames[name] = src.format(**bind)
-    return composed, consumed, renames
+def _view(names: Sequence[str], prefix: Mapping[str, str] | None, used: set[str], errors: list[str]
+          ) -> dict[str, str]:
+    """{name seen: saved name} of ``names`` under ``prefix`` (the longest saved prefix that
+    a name starts with is replaced; names under none are left out)."""
+    if prefix is None:
+        return {n: n for n in names}
+    out: dict[str, str] = {}
+    longest = sorted(prefix, key=len, reverse=True)
+    for name in names:
+        old = next((p for p in longest if name.startswith(p)), None)
+        if old is None:
+            continue
+        used.add(old)
+        new = prefix[old] + name[len(old):]
+        if not new:
+            errors.append(f"convert: prefix={{{old!r}: {prefix[old]!r}}} turns {name!r} into an empty name")
+        elif new in out:
+            errors.append(f"convert: prefix= gives {new!r} to both {out[new]!r} and {name!r}; make the output "
+                          "prefixes distinct")
+        else:
+            out[new] = name
+    return out
+
+
+def map_outputs(meta: Any, sources: Any, prefix: Any) -> Outputs:
+    """The outputs of ``meta`` (a checkpoint's metadata) through ``prefix`` and ``sources``.
+    ValueError (or TypeError) listing every mistake: a prefix no name has, two names
+    renamed alike, every ``sources=`` refusal of ``load``, and an entry that composes
+    nothing from the checkpoint."""
+    errors: list[str] = []
+    prefix, used = prefix_map(prefix), set()
+    seen = _view(sorted(meta.tensors), prefix, used, errors)
+    values = _view(sorted(meta.values), prefix, used, errors)
+    for p in [p for p in prefix or () if p not in used]:
+        errors.append(f"convert: prefix {p!r} starts no tensor or value name of the checkpoint; "
+                      f"{missing_advice([p], [*meta.tensors, *meta.values]) or 'check the prefix'}")
+    view = {n: meta.tensors[s] for n, s in seen.items()}
+    composed = _composed(view, sources, errors) if sources else {}
+    if errors:
+        more = f"\n  ... and {len(errors) - _SHOWN} more" if len(errors) > _SHOWN else ""
+        raise ValueError(f"{len(errors)} problem(s) with the mapping, nothing was written:\n  " +
+                         "\n  ".join(errors[:_SHOWN]) + more)
+    consumed = {n for _, _, src in composed.values() for n in leaves(src)}
+    tensors = {n: (tuple(t.shape), t.dtype) for n, t in view.items() if n not in consumed and n not in composed}
+    reads: dict[str, Any] = {n: seen[n] for n in tensors if seen[n] != n}
+    for dest, (shape, dtype, src) in composed.items():
+        tensors[dest] = (shape, dtype)
+        reads[dest] = map_leaves(src, seen.__getitem__)
+    clash = sorted(set(tensors) & set(values))
+    if clash:
+        raise ValueError(f"convert: {', '.join(repr(n) for n in clash[:5])} would name both a tensor and a value "
+                         "of the output; rename one with sources= or prefix=")
+    return Outputs(dict(sorted(tensors.items())), reads, values)
+
+
+def _composed(view: Mapping[str, Any], sources: Mapping[str, Any], errors: list[str]
+              ) -> dict[str, tuple[tuple[int, ...], str, Any]]:
+    """{destination: (shape, dtype, source over ``view``'s names)} of every destination the
+    entries compose from ``view`` (``SourceMap.enumerate``, as ``load`` builds its virtual
+    tensors), each matched back (two entries matching one is refused) and composed."""
+    source_map = SourceMap(sources, owner="convert")  # TypeError/ValueError: as load refuses it
+    out: dict[str, tuple[tuple[int, ...], str, Any]] = {}
+    produced: set[str] = set()
+    for dest in source_map.enumerate(view):
+        try:
+            key, src = source_map.match(dest)
+        except ValueError as exc:
+            errors.append(str(exc))
+            continue
+        produced.add(key)
+        where = f"convert: destination {dest!r} (sources[{key!r}])"
+        try:
+            shape, dtypes, _ = compose(src, view, where)
+        except SourceError as exc:
+            errors.append(str(exc.args[0]))
+            continue
+        kinds = {d.startswith("complex") for d in dtypes}
+        if len(kinds) > 1:
+            errors.append(f"{where}: {describe(src)} mixes complex and real parts ({', '.join(dtypes)}); "
+                          "complex and real do not mix")
+            continue
+        out[dest] = (tuple(shape), dtypes[0], src)
+    errors.extend(_nothing(key, src, view) for key, _, _, src in source_map.entries if key not in produced)
+    return out
+
+
+def _nothing(key: str, source: Any, view: Mapping[str, Any]) -> str:
+    """Why the entry ``key`` composes no destination: the source names no saved tensor
+    matches, with the nearest saved names."""
+    import re
+
+    lost = []
+    for leaf in dict.fromkeys(leaves(source)):
+        pattern = re.compile(re.sub(r"\\\{[A-Za-z_][A-Za-z0-9_]*\\\}", "[^.]+", re.escape(leaf)))
+        if not any(pattern.fullmatch(n) for n in view):
+            lost.append(leaf)
+    what = (f"no saved tensor matches {', '.join(repr(n) for n in lost[:5])}; "
+            f"{missing_advice(lost, list(view)) or 'check the names'}" if lost else
+            "its source names match saved tensors, but no value of its placeholders names every part")
+    return f"convert: sources[{key!r}] = {describe(source)} composes nothing from the checkpoint: {what}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import queue as queue_mod
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._fill import FileResult, claimer, fill_files, worker_main
@@ -85,7 +85,8 @@ class _Messages:
                                "reporting an error; the conversion was abandoned")
 
 
-def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, sources: Any, native: bool,
+def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, reads: Mapping[str, Any],
+                native: bool,
                 on_bytes: Callable[[int], None], on_file: Callable[[FileResult], None]) -> list[FileResult]:
     """Fill ``files`` here and on ``workers - 1`` worker processes. A worker that fails or
     dies stops the conversion; the error names it and its cause. Waits are bounded by the
@@ -96,7 +97,7 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
     queue, counter = ctx.Queue(), ctx.Value("q", 0)
     extra = min(workers, len(files)) - 1
     threads = max(1, torch.get_num_threads() // (extra + 1))  # the processes share this one's threads
-    procs = [ctx.Process(target=worker_main, args=(src, root, files, counter, sources, native, queue, threads),
+    procs = [ctx.Process(target=worker_main, args=(src, root, files, counter, reads, native, queue, threads),
                          name=f"dcp-convert-{k + 1}", daemon=True) for k in range(extra)]
     messages = _Messages(queue, procs, on_bytes, on_file)
     mine: list[FileResult] = []
@@ -115,7 +116,7 @@ def run_workers(src: str, root: str, files: Sequence[OutFile], workers: int, *, 
             # all of this process's threads until a worker runs, then its share
             torch.set_num_threads(threads if messages.started else old_threads)
 
-        fill_files(src, root, files, sources=sources, native=native, on_bytes=on_bytes, on_file=here,
+        fill_files(src, root, files, reads=reads, native=native, on_bytes=on_bytes, on_file=here,
                    claim=claimer(counter, len(files)))
         while len(mine) + len(messages.results) < len(files):
             messages.drain(timeout=_POLL_S)

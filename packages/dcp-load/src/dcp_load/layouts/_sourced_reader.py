@@ -25,7 +25,8 @@ from ._keys import missing_advice
 from ._sources import SourceError, SourceMap, compose, describe, leaves
 from ._targets import Target
 
-__all__ = ["Applied", "SourcedMetadata", "SourcedReader", "VirtualChunk", "apply_sources", "virtual_tensors"]
+__all__ = ["Applied", "SourcedMetadata", "SourcedReader", "VirtualChunk", "apply_sources", "virtual_tensor",
+           "virtual_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,9 @@ def _dtype_name(array: Any) -> str:
     return array.dtype.name if _is_numpy(array) else str(array.dtype).removeprefix("torch.")
 
 
-def _virtual(name: str, source: Any, saved: Mapping[str, Any]) -> TensorMeta:
+def virtual_tensor(name: str, source: Any, saved: Mapping[str, Any]) -> TensorMeta:
+    """The tensor ``source`` composes from the checkpoint's tensors ``saved``, named ``name``
+    (SourceError when its parts do not fit)."""
     shape, dtypes, pieces = compose(source, saved, f"destination {name!r}")
     chunks = tuple(VirtualChunk(p.offsets, p.sizes, p.real.file, p.real.key, p.real.checksum, p.real.storage,
                                 source=p.source, real=p.real, axes=p.axes, shift=p.shift) for p in pieces)
@@ -175,7 +178,7 @@ def virtual_tensors(source_map: SourceMap, saved: Mapping[str, Any]) -> dict[str
     out = {}
     for name, source in source_map.enumerate(saved).items():
         try:
-            out[name] = _virtual(name, source, saved)
+            out[name] = virtual_tensor(name, source, saved)
         except SourceError:
             continue
     return out
@@ -230,11 +233,13 @@ class Applied:
 
 
 def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap, allow_cast: bool,
-                  strict: bool = True, values: Sequence[str] = ()) -> Applied:
+                  strict: bool = True, values: Sequence[str] = (), whole: bool = False) -> Applied:
     """Wrap ``reader`` in the virtual tensors of ``source_map`` and check every target that
     an entry matches against them (module docstring). ``values``: the state dict's
     non-tensor keys, which ``sources`` does not map (one that an entry matches is refused
-    rather than loaded from its own name behind the caller's back)."""
+    rather than loaded from its own name behind the caller's back). ``whole``: this state
+    dict is the whole job's (no process group), so an entry that matches none of its keys
+    is a mistake (``_unmatched``)."""
     saved = reader.metadata.tensors
     virtual = virtual_tensors(source_map, saved)
     errors: list[str] = []
@@ -250,6 +255,7 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
     composed: list[tuple[str, int]] = []
     cast: list[str] = []
     missing: list[str] = []
+    matched: set[str] = set()
     for t in targets:
         try:
             found = source_map.match(t.name)
@@ -260,6 +266,7 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
             keep.append(t)
             continue
         key, source = found
+        matched.add(key)
         where = f"destination {t.name!r} (sources[{key!r}])"
         meta = virtual.get(t.name)
         if meta is None:
@@ -281,12 +288,40 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
         composed.append((t.name, len(set(leaves(source)))))
     logger.debug("sources: %d virtual tensor(s) from the checkpoint, %d destination(s) of this rank composed",
                  len(virtual), len(composed))
+    if strict:
+        lost = [t.name for t in keep if t.name not in saved and source_map.match(t.name) is None]
+        errors.extend(_unmatched(source_map, matched, [t.name for t in targets], lost, whole))
     missing, tied = _through_aliases(missing, targets, keep)
     if missing:
         logger.warning("strict=False: %d destination(s) whose sources the checkpoint lacks keep their current "
                        "values: %s", len(missing), ", ".join(repr(n) for n in missing[:5]))
     return Applied(errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast,
                    missing, tied)
+
+
+def _unmatched(source_map: SourceMap, matched: set[str], names: Sequence[str], lost: Sequence[str],
+               whole: bool) -> list[str]:
+    """An entry of ``sources`` that matches no destination key: a typo (``layer.{i}`` for
+    ``layers.{i}``) would otherwise be ignored, and the destination it meant would be
+    reported missing with the typo's virtual tensor as its nearest checkpoint key. Refused
+    when this state dict is the whole job's, or when a destination of it (``lost``) is
+    found neither in the checkpoint nor through an entry (a pipeline stage may hold none of
+    an entry's destinations, and is told only when it misses one)."""
+    unmatched = [key for key, _, _, _ in source_map.entries if key not in matched]
+    if not unmatched or not (whole or lost):
+        return []
+    import difflib
+
+    pool = list(lost) or list(names)
+    out = []
+    for key in unmatched:
+        near = difflib.get_close_matches(key, pool, n=3, cutoff=0.5)
+        hint = (f"nearest destination keys: {', '.join(repr(n) for n in near)}" if near else
+                f"the state dict holds {len(names)} tensor key(s), for example "
+                f"{', '.join(repr(n) for n in sorted(names)[:3])}")
+        out.append(f"{source_map.owner}: sources[{key!r}] matches no destination key of the state dict; {hint}; "
+                   "fix the key (a placeholder matches one dot-free segment) or remove the entry")
+    return out
 
 
 def _through_aliases(missing: list[str], targets: Sequence[Target], keep: Sequence[Target]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Concat", "Slice", "Source", "SourceError", "SourceMap", "Stack", "Piece", "compose",
-           "describe", "leaves"]
+           "describe", "leaves", "map_leaves"]
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -120,13 +120,18 @@ def leaves(source: Any) -> list[str]:
     return [n for p in source.parts for n in leaves(p)]
 
 
-def _substitute(source: Any, binding: Mapping[str, str]) -> Any:
+def map_leaves(source: Any, rename: Any) -> Any:
+    """``source`` with each saved name ``n`` it reads replaced by ``rename(n)``."""
     if isinstance(source, str):
-        return _PLACEHOLDER.sub(lambda m: binding[m.group(1)], source)
+        return rename(source)
     if isinstance(source, Slice):
-        return Slice(_substitute(source.source, binding), source.dim, source.start, source.stop)
-    parts = [_substitute(p, binding) for p in source.parts]
+        return Slice(map_leaves(source.source, rename), source.dim, source.start, source.stop)
+    parts = [map_leaves(p, rename) for p in source.parts]
     return Concat(parts, source.dim, source.groups) if isinstance(source, Concat) else Stack(parts, source.dim)
+
+
+def _substitute(source: Any, binding: Mapping[str, str]) -> Any:
+    return map_leaves(source, lambda name: _PLACEHOLDER.sub(lambda m: binding[m.group(1)], name))
 
 
 def _pattern(template: str) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
@@ -150,9 +155,10 @@ def _pattern(template: str) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
 class SourceMap:
     """The ``sources=`` argument, checked: ``match`` a destination key to its source."""
 
-    def __init__(self, sources: Mapping[str, Any]):
+    def __init__(self, sources: Mapping[str, Any], owner: str = "load"):
+        # ``owner``: the function messages name (``load``, ``convert``)
         if not isinstance(sources, Mapping):
-            raise TypeError(f"load: sources must be a mapping from destination keys to sources, got "
+            raise TypeError(f"{owner}: sources must be a mapping from destination keys to sources, got "
                             f"{type(sources).__name__}")
         self.entries: list[tuple[str, re.Pattern[str] | None, tuple[str, ...], Any]] = []
         # keys without placeholders are looked up, not matched: a generated mapping of one
@@ -161,18 +167,18 @@ class SourceMap:
         self.patterned: list[int] = []
         for key, source in sources.items():
             if not isinstance(key, str):
-                raise TypeError(f"load: sources keys must be str destination keys, got {key!r:.80}")
+                raise TypeError(f"{owner}: sources keys must be str destination keys, got {key!r:.80}")
             _check_source(f"sources[{key!r}]", source)
             regex, names = _pattern(key)
             used = {p for leaf in leaves(source) for p in _PLACEHOLDER.findall(leaf)}
             unknown = sorted(used - set(names))
             if unknown:
-                raise ValueError(f"load: sources[{key!r}] = {describe(source)} uses placeholder(s) "
+                raise ValueError(f"{owner}: sources[{key!r}] = {describe(source)} uses placeholder(s) "
                                  f"{', '.join('{' + p + '}' for p in unknown)} that the key lacks; every "
                                  "placeholder of a source must appear in its key")
             unused = [p for p in names if p not in used]
             if unused:
-                raise ValueError(f"load: sources[{key!r}]: placeholder(s) "
+                raise ValueError(f"{owner}: sources[{key!r}]: placeholder(s) "
                                  f"{', '.join('{' + p + '}' for p in unused)} of the key appear in no source "
                                  f"name of {describe(source)}; use each placeholder in the source's names")
             if names:
@@ -180,6 +186,7 @@ class SourceMap:
             else:
                 self.exact[key] = len(self.entries)
             self.entries.append((key, regex, names, source))
+        self.owner = owner
 
     def match(self, name: str) -> tuple[str, Any] | None:
         """(entry key, source with placeholders substituted) for destination ``name``, None
@@ -192,7 +199,7 @@ class SourceMap:
             if m or regex is None:  # a plain key is only looked up for its own name
                 found.append((key, _substitute(source, m.groupdict() if m else {})))
         if len(found) > 1:
-            raise ValueError(f"load: destination {name!r} matches {len(found)} sources entries "
+            raise ValueError(f"{self.owner}: destination {name!r} matches {len(found)} sources entries "
                              f"({', '.join(repr(k) for k, _ in found)}); make the keys match one each")
         return found[0] if found else None
 
