@@ -1,0 +1,231 @@
+"""Trainer-to-engine weight updates on 4 local gloo ranks: ``dcp_load.transfer`` against
+gathering each tensor and broadcasting it from trainer rank 0, and against torch DCP save
++ load through a RAM-backed directory, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_transfer.py [--repeats 3] [--large-mib 8] [--large 16] [--small 2000]
+
+Ranks 0-1 are the trainer (FSDP2: ``Shard(0)`` over their 1-D mesh), ranks 2-3 the engine
+(tensor parallel over theirs: even tensors column-parallel ``Shard(0)``, odd ones
+row-parallel ``Shard(1)``), bf16 on both sides. Two models: ``--large`` tensors of
+``--large-mib`` MiB, and ``--small`` tensors of 4 KiB. Per method, the median over
+``--repeats`` rounds of the slowest rank's wall time (ranks start together after a
+barrier); per engine rank, the bytes it received against the bytes it keeps; per rank, the
+peak extra resident memory (VmHWM after the method minus VmRSS before, the high-water mark
+reset through /proc/self/clear_refs); collectives per engine rank (torch DCP: not counted).
+``transfer (reused)`` is the second transfer between the same layouts (plan kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dcp_platform.testing import run_ranks
+
+WORLD = 4
+SMALL_BYTES = 4096
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _model(count: int, nbytes: int) -> dict[str, tuple[int, int]]:
+    """name -> 2-D shape of ``nbytes`` bf16 bytes (rows a multiple of 4, so both meshes cut evenly)."""
+    elems = nbytes // 2
+    cols = 64 if elems < 1 << 16 else 1024
+    return {f"layer.{i:04d}.weight": (elems // cols, cols) for i in range(count)}
+
+
+def _value(name: str, shape: tuple[int, int], step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)) * 31 + step)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def _layouts(model: dict[str, tuple[int, int]], rank: int, mesh: Any) -> tuple[Any, Any]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if rank < 2:
+        src = {n: distribute_tensor(_value(n, s, 0), mesh, [Shard(0)], src_data_rank=None) for n, s in model.items()}
+        return src, None
+    dst = {n: distribute_tensor(torch.zeros(s, dtype=torch.bfloat16), mesh, [Shard(i % 2)], src_data_rank=None)
+           for i, (n, s) in enumerate(model.items())}
+    return None, dst
+
+
+def _gather_broadcast(src: Any, dst: Any, rank: int, model: dict[str, Any], group: Any) -> dict[str, int]:
+    """Each tensor: ``full_tensor()`` on the trainer, one broadcast from rank 0 to the engine."""
+    received = collectives = 0
+    for i, (name, shape) in enumerate(model.items()):
+        if rank < 2:
+            full = src[name].full_tensor()
+            collectives += 1
+            if rank == 0:
+                dist.broadcast(full, src=0, group=group)
+                collectives += 1
+        else:
+            full = torch.empty(shape, dtype=torch.bfloat16)
+            dist.broadcast(full, src=0, group=group)
+            collectives += 1
+            received += full.numel() * 2
+            local = dst[name].to_local()
+            tp = rank - 2
+            if i % 2 == 0:
+                local.copy_(full.chunk(2, 0)[tp])
+            else:
+                local.copy_(full.chunk(2, 1)[tp])
+        del full
+    return {"received": received, "collectives": collectives}
+
+
+def _dcp_save_load(src: Any, dst: Any, rank: int, path: str, trainer_pg: Any, engine_pg: Any) -> dict[str, int]:
+    import torch.distributed.checkpoint as dcp
+
+    if rank < 2:
+        dcp.save(src, checkpoint_id=path, process_group=trainer_pg)
+    dist.barrier()
+    received = 0
+    if rank >= 2:
+        before = _rchar()
+        dcp.load(dst, checkpoint_id=path, process_group=engine_pg)
+        received = _rchar() - before
+    dist.barrier()
+    return {"received": received, "collectives": -1}
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _transfer(src: Any, dst: Any, keep: bool) -> dict[str, int]:
+    import dcp_load
+
+    report = dcp_load.transfer(src, dst, keep_plan=keep)
+    return {"received": report.bytes_received, "collectives": report.collectives}
+
+
+def _timed(fn: Any) -> tuple[float, dict[str, int], int]:
+    gc_before = _status("VmRSS")
+    peak_ok = _reset_peak()
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    extra = _status("VmHWM") - gc_before if peak_ok else -1
+    dist.barrier()
+    return seconds, out, extra
+
+
+def _check(dst: Any, model: dict[str, Any], rank: int, step: int) -> bool:
+    if dst is None:
+        return True
+    tp = rank - 2
+    for i, (name, shape) in enumerate(model.items()):
+        want = _value(name, shape, step).chunk(2, i % 2)[tp]
+        if not torch.equal(dst[name].to_local(), want):
+            return False
+    return True
+
+
+def _poison(dst: Any) -> None:
+    if dst is not None:
+        for v in dst.values():
+            v.to_local().fill_(float("nan"))
+
+
+def _methods(rank: int, model: dict[str, Any], mesh: Any, groups: dict[str, Any], root: str) -> dict[str, Any]:
+    src, dst = _layouts(model, rank, mesh)
+    path = os.path.join(root, "ckpt")
+    methods = {
+        "gather + broadcast": lambda: _gather_broadcast(src, dst, rank, model, groups["bcast"]),
+        "torch DCP via /dev/shm": lambda: _dcp_save_load(src, dst, rank, path, groups["trainer"], groups["engine"]),
+        "transfer (first)": lambda: _transfer(src, dst, True),
+        # keep_plan=False: reuses the plan the first made, then drops it (and its groups),
+        # so that the next round's first transfer plans again
+        "transfer (reused)": lambda: _transfer(src, dst, False),
+    }
+    out = {}
+    for label, fn in methods.items():
+        _poison(dst)
+        seconds, got, extra = _timed(fn)
+        if rank == 0 and label.startswith("torch DCP"):
+            shutil.rmtree(path, ignore_errors=True)
+        kept = sum(v.to_local().numel() * 2 for v in dst.values()) if dst is not None else 0
+        out[label] = {"seconds": seconds, "extra": extra, "kept": kept, "ok": _check(dst, model, rank, 0), **got}
+    return out
+
+
+def _bench(rank: int, world: int, specs: dict[str, Any], repeats: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("role", "x"))["x"]
+    groups = {"bcast": dist.new_group([0, 2, 3]), "trainer": dist.new_group([0, 1]), "engine": dist.new_group([2, 3])}
+    out: dict[str, Any] = {}
+    for name, (count, nbytes) in specs.items():
+        model = _model(count, nbytes)
+        out[name] = [_methods(rank, model, mesh, groups, os.path.join(root, name)) for _ in range(repeats)]
+    return out
+
+
+def _table(per_rank: list[dict[str, Any]], name: str) -> list[str]:
+    rounds = [r[name] for r in per_rank]
+    labels = list(rounds[0][0])
+    lines = [f"== {name} ==", f"{'method':24} {'seconds':>8} {'x gather':>8} {'recv/kept':>9} {'peak extra MiB':>14} "
+             f"{'collectives':>11}  values"]
+    base = None
+    for label in labels:
+        secs = statistics.median(max(r[i][label]["seconds"] for r in rounds) for i in range(len(rounds[0])))
+        base = base or secs
+        last = [r[-1][label] for r in rounds]
+        engine = last[2:]
+        ratio = max(e["received"] / e["kept"] for e in engine)
+        extra = max(x["extra"] for x in last) / 2**20
+        coll = max(e["collectives"] for e in engine)
+        ok = all(x["ok"] for x in last)
+        lines.append(f"{label:24} {secs:8.3f} {secs / base:8.2f} {ratio:9.3f} {extra:14.1f} "
+                     f"{coll if coll >= 0 else '-':>11}  {'exact' if ok else 'WRONG'}")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--large", type=int, default=16, help="tensors of the large model")
+    p.add_argument("--large-mib", type=int, default=8, help="MiB per tensor of the large model")
+    p.add_argument("--small", type=int, default=2000, help="4 KiB tensors of the small model")
+    args = p.parse_args()
+    specs = {f"{args.large} x {args.large_mib} MiB": (args.large, args.large_mib << 20),
+             f"{args.small} x 4 KiB": (args.small, SMALL_BYTES)}
+    root = tempfile.mkdtemp(prefix="dcp-bench-transfer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        per_rank = run_ranks(_bench, WORLD, specs, args.repeats, root, timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for name in specs:
+        print("\n".join(_table(per_rank, name)))
+        print()
+
+
+if __name__ == "__main__":
+    main()
