@@ -182,9 +182,10 @@ def packages_alone(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """Static checks with ruff."""
+    """Static checks: ruff, and the house rules (no import circles, layers one way, one storage seam)."""
     session.install("ruff==0.17.5")
     session.run("ruff", "check", ".")
+    session.run("python", str(ROOT / ".ci" / "check_house.py"))
 
 
 @nox.session(python=PYTHON)
