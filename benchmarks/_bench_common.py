@@ -165,6 +165,15 @@ def verify_state_dict(run: Run, ckpt: str, local: dict[str, Any], tp_rank: int) 
     return len(run.spec.tensors())
 
 
+def _warm_up(run: Run, rank: int, mesh: Any, distributed: bool, tp_rank: int) -> None:
+    """A load of a tiny checkpoint with the same structure first, by the same method:
+    first-call costs (lazy imports, library code paged in after a cache drop) stay out of
+    the measured load; both loaders get the same warm-up."""
+    assert run.warmup_dir is not None
+    wsd, wlocal = build_state_dict(warmup_spec(run.spec), run, rank, mesh)
+    do_load(dataclasses.replace(run, spec=warmup_spec(run.spec)), wsd, wlocal, run.warmup_dir, distributed, tp_rank)
+
+
 def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     """Entry point of every rank (module level so the launcher can pickle it)."""
     import warnings
@@ -183,13 +192,7 @@ def rank_load(rank: int, world: int, run: Run) -> dict[str, Any]:
     tp_rank = mesh.get_local_rank("tp") if mesh is not None else rank % run.tp
     stamps["mesh"] = now()
     if run.warmup_dir:
-        # A load of a tiny checkpoint with the same structure first, by the same method:
-        # first-call costs (lazy imports, library code paged in after a cache drop) stay
-        # out of the measured load; both loaders get the same warm-up.
-        wsd, wlocal = build_state_dict(warmup_spec(run.spec), run, rank, mesh)
-        do_load(dataclasses.replace(run, spec=warmup_spec(run.spec)), wsd, wlocal, run.warmup_dir,
-                distributed, tp_rank)
-        del wsd, wlocal
+        _warm_up(run, rank, mesh, distributed, tp_rank)
     stamps["warmup"] = now()
     sd, local = build_state_dict(run.spec, run, rank, mesh)
     stamps["build"] = now()

@@ -1,7 +1,11 @@
-"""BENCHMARKS.md text from one run's results: fixed method text, then every table and number
+"""The report of one full run from its results: fixed method text, then every table and number
 computed from the results (nothing typed in by hand).
 
-    python benchmarks/_bench_report.py bench-results/<time>.json > BENCHMARKS.md
+    python benchmarks/_bench_report.py bench-results/<time>.json > report.md
+
+Its sections are what benchmarks/results/ holds per capability (load.md, throttled.md,
+memory.md, one-process.md, broadcast.md, planning.md, checksums.md, run-all.md), and its
+figures are the ones BENCHMARKS.md's tables quote.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ COMMANDS = """## Commands
 python3 -m nox -s bench                      # = python benchmarks/run_all.py (3 repeats, every scenario)
 python3 -m nox -s bench -- --quick           # smoke run: small sizes, 1 repeat
 
-# the full run that regenerates this file (as root, for drop_caches and the blkio throttle):
-python benchmarks/run_all.py && cp bench-results/latest.md BENCHMARKS.md
+# the full run that regenerates this report (as root, for drop_caches and the blkio throttle);
+# its sections go to benchmarks/results/, its figures to the tables of BENCHMARKS.md:
+python benchmarks/run_all.py && less bench-results/latest.md
 
 # the run reported here (development venv, same code):
 {command}

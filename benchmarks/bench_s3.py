@@ -191,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server ceiling (moto alone, 8 MiB GETs, 16 in flight): {ceiling:.0f} MiB/s", flush=True)
         faults = s3_server.Faults(latency_s=(lo, hi), bandwidth=bandwidth)
         with s3_server.FaultProxy(endpoint, faults) as proxy:
-            # RUNAI_STREAMER_DIST=0: with torch.distributed initialised Run:ai otherwise enters its
-            # distributed mode, which failed here on CPU ("File access error"); it is meant
-            # for CUDA (issue 21: each process reads everything outside that mode).
-            env = {**s3_server.s3_env(proxy.endpoint), "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-                   "RUNAI_STREAMER_DIST": "0", "RUNAI_STREAMER_CONCURRENCY": str(args.runai_concurrency),
-                   "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT": "1", **{k: v for k, v in os.environ.items() if k.startswith("RUNAI_STREAMER_LOG")}}
+            env = _env(proxy, args.runai_concurrency)
             runs = [("dcp", "dp4"), ("dcp", "dp2tp2")]
             if not args.skip_peers:
                 runs += [("torchdcp", "dp4"), ("torchdcp", "dp2tp2"), ("runai", "any")]
@@ -222,6 +217,19 @@ def main(argv: list[str] | None = None) -> int:
         proc.wait(timeout=30)
     write_json(args.json, {"ceiling_mib_s": ceiling, "rows": rows})
     return 0
+
+
+def _env(proxy: s3_server.FaultProxy, runai_concurrency: int) -> dict[str, str]:
+    """The ranks' environment: the proxy's S3 endpoint and Run:ai's settings.
+
+    RUNAI_STREAMER_DIST=0: with torch.distributed initialised Run:ai otherwise enters its
+    distributed mode, which failed here on CPU ("File access error"); it is meant for CUDA
+    (issue 21: each process reads everything outside that mode).
+    """
+    return {**s3_server.s3_env(proxy.endpoint), "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "RUNAI_STREAMER_DIST": "0", "RUNAI_STREAMER_CONCURRENCY": str(runai_concurrency),
+            "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT": "1",
+            **{k: v for k, v in os.environ.items() if k.startswith("RUNAI_STREAMER_LOG")}}
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:

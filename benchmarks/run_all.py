@@ -14,8 +14,9 @@ checksums (the cost of verifying block checksums in a whole warm load of a 1 GiB
 checkpoint: one process, DP2 and DP4; the report's "Checksum cost" section).
 
 Results go to bench-results/<UTC time>.json (and bench-results/latest.json); the report
-(the text of BENCHMARKS.md, every number computed from the results) is printed and written
-to bench-results/<UTC time>.md; plots go to benchmarks/plots/*.png.
+(every number computed from the results; its sections are the files of benchmarks/results/,
+its figures those of BENCHMARKS.md's tables) is printed and written to
+bench-results/<UTC time>.md; plots go to benchmarks/plots/*.png.
 Checkpoints are written under --workdir and deleted at the end unless --keep is given.
 """
 
@@ -105,6 +106,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         a.throttle_bps = [parse_bps(s) for s in names(a.throttle_bps)]
     except ValueError as e:
         ap.error(str(e))
+    _check(ap, a)
+    return a
+
+
+def _check(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Every name given is known and the repeats are positive, else ``ap.error`` says which."""
     for s in a.scenarios:
         if s not in SCENARIOS:
             ap.error(f"--scenarios: unknown {s!r}; choose from {','.join(SCENARIOS)}")
@@ -121,7 +128,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         a.repeats = 1 if a.quick else 3
     if a.repeats < 1 or a.throttle_repeats < 1:
         ap.error(f"--repeats and --throttle-repeats must be >= 1, got {a.repeats}, {a.throttle_repeats}")
-    return a
 
 
 def machine() -> dict[str, Any]:
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     md = _bench_report.render(results)
     print("\n" + md)
-    (out_dir / f"{stamp}.md").write_text(md)  # the BENCHMARKS.md text for this run
+    (out_dir / f"{stamp}.md").write_text(md)  # the report of this run (benchmarks/results/)
     (out_dir / "latest.md").write_text(md)
     _write(out_dir, stamp, results)
     if args.plots:
