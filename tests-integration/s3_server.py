@@ -3,9 +3,14 @@ front of it, for the object-storage tests and benchmarks/bench_s3.py.
 
 The proxy forwards each request to the server and can, for the requests a filter selects
 (default: ranged GETs, the data reads): answer 503 SlowDown, reset the connection, cut the
-body half way, stall after half the body, or refuse the credentials (403
-InvalidAccessKeyId, what S3 answers for an unknown key). It can also add a per-request
-latency and cap each connection's bandwidth, and it counts requests and bytes.
+body half way, stall after half the body, refuse the credentials (403
+InvalidAccessKeyId, what S3 answers for an unknown key), deny a delete (403 AccessDenied,
+what a bucket policy without s3:DeleteObject answers, to DELETE and to ``POST ?delete``),
+ignore the Range header (a 200 with the whole object), drop the If-Match header (a server
+without conditional reads), refuse conditional writes (501 NotImplemented to a PUT with
+If-Match or If-None-Match), or run a callback first (``hook``: replace the object, start a
+second writer). It can also add a per-request latency and cap each connection's
+bandwidth, and it counts requests and bytes.
 """
 
 from __future__ import annotations
@@ -73,16 +78,52 @@ def is_ranged_get(method: str, path: str, headers: Any) -> bool:
     return method == "GET" and "range" in {k.lower() for k in headers}
 
 
+def is_delete(method: str, path: str, headers: Any) -> bool:
+    """DeleteObject, and DeleteObjects (``POST /bucket?delete``)."""
+    return method == "DELETE" or (method == "POST" and "?delete" in path)
+
+
+def is_conditional_put(method: str, path: str, headers: Any) -> bool:
+    return method == "PUT" and bool({"if-match", "if-none-match"} & {k.lower() for k in headers})
+
+
+def put_of(name: str) -> Callable[[str, str, Any], bool]:
+    """Selects the PUT of an object whose key ends with ``/name``."""
+    return lambda method, path, headers: method == "PUT" and path.split("?")[0].endswith("/" + name)
+
+
+def replace_object(endpoint: str, path: str) -> None:
+    """Replace the object at ``path`` (``/bucket/key``) on the server at ``endpoint`` by one
+    of the same size with every byte inverted: a new version, a new ETag (moto accepts
+    unsigned requests)."""
+    conn = http.client.HTTPConnection(endpoint.removeprefix("http://"), timeout=60)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"reading {path}: HTTP {resp.status}")
+    inverted = (int.from_bytes(data, "little") ^ ((1 << (8 * len(data))) - 1)).to_bytes(len(data), "little")
+    conn.request("PUT", path, body=inverted)
+    resp = conn.getresponse()
+    resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"replacing {path}: HTTP {resp.status}")
+
+
 @dataclass
 class Faults:
     """What the proxy does to the requests ``select`` picks: ``kind`` is one of None,
-    "slowdown", "reset", "cut", "stall", "badcreds"; ``count`` of them (then requests pass;
-    -1: all), ``stall_s`` how long a stall lasts."""
+    "slowdown", "reset", "cut", "stall", "badcreds", "denied" (403 AccessDenied),
+    "norange" (the Range header dropped), "noifmatch" (the If-Match header dropped),
+    "nocond" (501 NotImplemented), "hook" (``hook(method, path)`` runs, then the request
+    goes on); ``count`` of them (then requests pass; -1: all), ``stall_s`` how long a stall
+    lasts."""
 
     kind: str | None = None
     count: int = 0
     stall_s: float = 3600.0
     select: Callable[[str, str, Any], bool] = is_ranged_get
+    hook: Callable[[str, str], None] | None = None
     latency_s: tuple[float, float] = (0.0, 0.0)
     bandwidth: float = 0.0  # bytes/s per connection; 0: no cap
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,6 +153,10 @@ class Faults:
 
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+           b"<Message>Access Denied</Message></Error>")
+_NOTIMPL = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code><Message>A header you '
+            b"provided implies functionality that is not implemented</Message></Error>")
 _BADKEY = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code><Message>The AWS '
            b"Access Key Id you provided does not exist in our records.</Message></Error>")
 
@@ -150,11 +195,18 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(403, _BADKEY)
         if kind == "slowdown":
             return self._reply(503, _SLOWDOWN)
+        if kind == "denied":
+            return self._reply(403, _DENIED)
+        if kind == "nocond":
+            return self._reply(501, _NOTIMPL)
+        if kind == "hook" and faults.hook is not None:
+            faults.hook(self.command, self.path)
         if kind == "reset":
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
             return None
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "keep-alive")}
+        dropped = {"connection", "keep-alive"} | {"norange": {"range"}, "noifmatch": {"if-match"}}.get(kind or "", set())
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
         conn = self._upstream()
         try:
             conn.request(self.command, self.path, body=body, headers=headers)
@@ -229,6 +281,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, faults: Faults | None = None):
         self.faults = faults or Faults()
+        self.upstream = upstream  # the server's endpoint, for requests that bypass the proxy
         self._server = _ProxyServer(upstream, self.faults)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-proxy", daemon=True)

@@ -1,17 +1,27 @@
 """The object-store backend (S3 and compatibles, GCS, Azure) through obstore.
 
-obstore (Rust ``object_store``) releases the GIL while a request runs and hands back the
-body as a buffer, so one Python thread per GET in flight costs little and each part is
-copied once, from the response straight into the caller's buffer (the destination tensor
-where the reader reads in place). A range is cut into GETs of ``part_bytes``; ranges closer
-than ``coalesce_gap`` share one GET; at most ``concurrency`` run at once per read.
+obstore (Rust ``object_store``) releases the GIL while a request runs, so one Python thread
+per GET in flight costs little. A range is cut into GETs of ``part_bytes``; ranges closer
+than ``coalesce_gap`` share one GET; at most ``concurrency`` run at once per read. Each
+response is copied into the caller's buffer (the destination tensor where the reader reads
+in place) piece by piece as it arrives (``STREAM_BYTES``), so a read holds at most
+``concurrency`` such pieces, whatever the size of the range.
+
+Versions: every GET of an object opened for reading carries ``If-Match`` with the ETag its
+HEAD saw, and the ETag of each response is compared with it, so the bytes of one open
+object all come from one version; another version is ObjectChangedError naming the object.
+Writes can be conditional (``put(..., if_absent=True)`` or ``if_match=etag``): the native
+writer commits its metadata so, and a second writer's commit fails instead of replacing
+the first one's.
 
 Faults: obstore retries 5xx (SlowDown included), connection errors and timeouts with
 exponential backoff and jitter; on top of that every GET whose body came back short or
-broke off is retried here (backoff with full jitter) until ``total_timeout``, then
-StorageError. A response that stalls longer than ``stall_timeout`` is abandoned and retried.
-A missing object is MissingFileError naming its URI; refused credentials are
-StorageAuthError naming the endpoint and the bucket.
+broke off is retried here (backoff with full jitter, from the first byte not yet received)
+until ``total_timeout``, then StorageError. A response that stalls longer than
+``stall_timeout`` is abandoned and retried. A missing object is MissingFileError naming its
+URI; refused credentials are StorageAuthError naming the endpoint and the bucket; an
+endpoint that answers a ranged GET with the whole object, or that refuses conditional
+writes, is a StorageError at once (retrying cannot help).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import bisect
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -46,6 +57,17 @@ logger = logging.getLogger(__name__)
 #: likewise: one GET instead of two or three (64 KiB holds the header of a ~500-tensor file).
 HEAD_BYTES = 64 * 1024
 
+#: A GET's body is copied into its destination in pieces of at least this size as they
+#: arrive: the memory a read holds is ``concurrency`` x this, not its range (measured with
+#: tests-integration/test_integ_s3_memory.py: a 256 MiB tensor read from moto on loopback
+#: took as long in 1 MiB pieces as in whole 8 MiB bodies; smaller pieces cost more Python
+#: calls per byte).
+STREAM_BYTES = 1024 * 1024
+
+#: ``DCP_STORAGE_CONDITIONAL_WRITES=false``: commit without If-None-Match / If-Match, for a
+#: store that refuses them (then nothing detects a second writer: one job per prefix).
+CONDITIONAL_VAR = "DCP_STORAGE_CONDITIONAL_WRITES"
+
 _AUTH_WORDS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
                "InvalidToken", "403 Forbidden", "401 Unauthorized", "Forbidden", "Unauthorized")
 
@@ -57,6 +79,21 @@ _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
 _SHORT = object()  # marks an attempt whose body came back short
+
+
+class ObjectChangedError(StorageError):
+    """An object is not the version a read or a conditional write expected: it was replaced
+    (or created, or deleted) by another process meanwhile. ``path`` names its URI."""
+
+
+def conditional_writes() -> bool:
+    """Whether commits use conditional writes (``DCP_STORAGE_CONDITIONAL_WRITES``, default on)."""
+    raw = os.environ.get(CONDITIONAL_VAR, "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${CONDITIONAL_VAR}={raw!r}: set it to true or false (or unset it)")
 
 
 class _Heads:
@@ -100,16 +137,16 @@ def endpoint_of(scheme: str) -> str:
         scheme, "the Azure blob endpoint of the account")
 
 
-def _client(scheme: str, bucket: str, opts: ObjectOptions) -> Any:
-    key = (scheme, bucket, opts, _env_key())
+def _client(scheme: str, bucket: str, opts: ObjectOptions, *, retries: bool = True) -> Any:
+    key = (scheme, bucket, opts, retries, _env_key())
     with _CLIENTS_LOCK:
         store = _CLIENTS.get(key)
         if store is None:
-            store = _CLIENTS[key] = _make_client(scheme, bucket, opts)
+            store = _CLIENTS[key] = _make_client(scheme, bucket, opts, retries)
         return store
 
 
-def _make_client(scheme: str, bucket: str, opts: ObjectOptions) -> Any:
+def _make_client(scheme: str, bucket: str, opts: ObjectOptions, retries: bool = True) -> Any:
     try:
         from obstore.store import from_url
     except ImportError:
@@ -120,7 +157,7 @@ def _make_client(scheme: str, bucket: str, opts: ObjectOptions) -> Any:
               "pool_max_idle_per_host": str(max(opts.concurrency, 16))}
     if os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":  # obstore reads it only without client_options
         client["allow_http"] = True
-    retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=opts.total_timeout),
+    retry = {"max_retries": 10 if retries else 0, "retry_timeout": timedelta(seconds=opts.total_timeout),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
                          "base": 2}}
     kwargs: dict[str, Any] = {}
@@ -180,10 +217,29 @@ class ObjectStorage:
 
     def _error(self, e: BaseException, name: str, key: str | None, doing: str) -> Exception:
         """obstore's exception as a typed error naming the URI (and endpoint and bucket)."""
-        from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+        from obstore.exceptions import (
+            NotFoundError,
+            PermissionDeniedError,
+            PreconditionError,
+            UnauthenticatedError,
+        )
 
+        if isinstance(e, StorageError | MissingFileError):
+            return e  # typed already (by the attempt itself)
         text = str(e)
         uri = self.uri(name)
+        if "non-partial response" in text:  # object_store's NotPartial: a 200 to a ranged GET
+            return _permanent(
+                f"{doing}: the endpoint {endpoint_of(self.scheme)} answered a ranged GET with the whole "
+                "object (HTTP 200, not 206 Partial Content): it ignores the Range header, and checkpoints are "
+                "read by ranges. Point AWS_ENDPOINT_URL at the store's S3 API itself, not at a web server or "
+                "a proxy that drops Range", uri, key)
+        if isinstance(e, PreconditionError):  # 412 to a GET pinned with If-Match
+            return ObjectChangedError(
+                "the object changed while it was read: the store no longer holds the version it had when it was "
+                f"opened (412 Precondition Failed to If-Match with that ETag, while {doing}). Another process "
+                "replaced the object during the read; read it again once that writer is done (a checkpoint "
+                "should not be read before its save returned)", path=uri, key=key)
         if isinstance(e, PermissionDeniedError | UnauthenticatedError | PermissionError) or any(w in text for w in _AUTH_WORDS):
             return StorageAuthError(
                 f"the object store at {endpoint_of(self.scheme)} refused the credentials for bucket "
@@ -218,7 +274,7 @@ class ObjectStorage:
                 last = out[1]
             except Exception as e:  # noqa: BLE001 - classified: permanent ones raise, the rest retry
                 err = self._error(e, name, key, doing)
-                if type(err) is not StorageError:
+                if type(err) is not StorageError or getattr(err, "permanent", False):
                     raise err from None
                 last = f"{type(e).__name__}: {_short(str(e))}"
             attempt += 1
@@ -318,18 +374,69 @@ class ObjectStorage:
                                    "save interrupted); copy the missing objects or re-save",
                                    path=self.uri(missing[0]), key=by_name[missing[0]], offenders=missing)
 
-    def put(self, name: str, chunks: Sequence[Any]) -> int:
+    def put(self, name: str, chunks: Sequence[Any], *, if_absent: bool = False, if_match: str | None = None) -> int:
         """One PUT for a small file, else a multipart upload in ``part_bytes`` parts (S3
-        shows the object only once the upload completes: an interrupted one leaves none)."""
+        shows the object only once the upload completes: an interrupted one leaves none).
+        ``if_absent`` (``If-None-Match: *``) or ``if_match`` (an ETag): a conditional write,
+        always one PUT, that raises ObjectChangedError when the object is not in that state
+        (another writer got there first); a store that refuses conditional writes is a
+        StorageError saying so."""
         import obstore
 
         views = [memoryview(c).cast("B") for c in chunks]
         total = sum(len(v) for v in views)
+        if if_absent or if_match:
+            self._put_conditional(name, b"".join(views), if_match)
+            return total
         multipart = total > self.options.part_bytes
         self._call(obstore.put, name, None, "writing the object", self.key(name),
                    views if multipart else b"".join(views), use_multipart=multipart,
                    chunk_size=self.options.part_bytes, max_concurrency=self.options.concurrency)
         return total
+
+    def _put_conditional(self, name: str, body: bytes, if_match: str | None) -> None:
+        """``body`` as ``name`` if the object is absent (``if_match`` None) or has that ETag.
+        Sent by a client without obstore's retries, so that a refusal (501) is seen at once;
+        failures are retried here. When the object already holds ``body`` (an earlier
+        attempt landed, its answer lost), the write succeeded."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, NotFoundError, NotSupportedError, PreconditionError
+
+        store = _client(self.scheme, self.bucket, self.options, retries=False)
+        state = f"the ETag {if_match}" if if_match else "no object"
+        uri = self.uri(name)
+
+        def attempt() -> None:
+            try:
+                obstore.put(store, self.key(name), body, mode={"e_tag": if_match} if if_match else "create",
+                            use_multipart=False)
+            except (AlreadyExistsError, PreconditionError, NotFoundError):
+                if self._holds(name, body):
+                    return
+                raise ObjectChangedError(f"the object is no longer what this write expected ({state}): another "
+                                         "process wrote or deleted it meanwhile", path=uri) from None
+            except Exception as e:  # noqa: BLE001 - a refusal is told apart from a failure
+                if isinstance(e, NotSupportedError) or "NotImplemented" in str(e) or "501 Not Implemented" in str(e):
+                    raise _permanent(f"the store at {endpoint_of(self.scheme)} does not support conditional "
+                                     f"writes (If-None-Match / If-Match on PUT: {_first_line(str(e))[:160]}), which "
+                                     "a save's commit uses to refuse a concurrent save into the same prefix. "
+                                     f"Set {CONDITIONAL_VAR}=false to commit without them (then nothing detects "
+                                     "a second writer: make sure one job saves into a prefix at a time)",
+                                     uri, None) from None
+                raise
+
+        self._retrying(attempt, name, None, "writing the object (conditionally)",
+                       time.monotonic() + self.options.total_timeout)
+
+    def _holds(self, name: str, body: bytes) -> bool:
+        """Whether the object exists and its bytes are ``body``."""
+        import obstore
+
+        try:
+            size, _ = self.head(name)
+            return size == len(body) and bytes(obstore.get(self.store, self.key(name)).bytes()) == body
+        except MissingFileError:
+            return False
 
     def delete(self, name: str) -> None:
         import obstore
@@ -342,44 +449,116 @@ class ObjectStorage:
         except Exception as e:  # noqa: BLE001 - typed below
             raise self._error(e, name, None, "deleting the object") from None
 
+    def delete_many(self, names: Sequence[str]) -> dict[str, str]:
+        """Delete ``names`` (bulk requests where the store has them, retried as GETs are);
+        returns {name: why} for each one that is still there: the store refused to delete
+        it (a bucket policy without s3:DeleteObject) or kept failing."""
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        if not names:
+            return {}
+        try:
+            self._call(obstore.delete, "", None, "deleting objects", [self.key(n) for n in names])
+            return {}
+        except StorageAuthError:
+            pass  # refused: find out which, one by one (a policy may deny only some)
+        except (StorageError, MissingFileError) as e:
+            return dict.fromkeys(names, _first_line(e.message))
+        failed = {}
+        for n in names:
+            try:
+                obstore.delete(self.store, self.key(n))
+            except NotFoundError:
+                pass
+            except Exception as e:  # noqa: BLE001 - reported, never raised: the caller only warns
+                failed[n] = _refusal(str(e))
+        return failed
+
     # -- ranged reads ----------------------------------------------------------------------
-    def fetch(self, name: str, spans: Sequence[tuple[int, memoryview]], *, key: str | None) -> int:
+    def fetch(self, name: str, spans: Sequence[tuple[int, memoryview]], *, key: str | None,
+              etag: str | None = None) -> int:
         """Fill each (offset, view) of ``spans`` (ascending, not overlapping) with the
         object's bytes; returns the bytes fetched (gaps included). Coalesces spans closer
         than ``coalesce_gap``, cuts the result into GETs of at most ``part_bytes`` and runs
         up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``.
-        Nothing is written into ``spans`` unless every GET succeeded (the bodies are held
-        until then): a failed fetch leaves the destination as it was."""
+        Each response is copied into ``spans`` as it arrives, in pieces of ``STREAM_BYTES``,
+        so the memory held is bounded by ``concurrency`` pieces whatever the range. With
+        ``etag`` (the version the caller opened), every GET is pinned to it: another version
+        raises ObjectChangedError, and no byte of it is copied. A failed fetch may leave
+        part of ``spans`` filled (with this version's bytes), the rest as it was."""
         parts = _parts(spans, self.options.part_bytes, self.options.coalesce_gap)
         if not parts:  # only empty spans
             return 0
         deadline = time.monotonic() + self.options.total_timeout
-        if len(parts) == 1:
-            bodies = [self._get(name, key, *parts[0], deadline)]
-        else:
-            with ThreadPoolExecutor(max_workers=min(self.options.concurrency, len(parts)),
-                                    thread_name_prefix="dcp-get") as pool:
-                futures = [pool.submit(self._get, name, key, lo, hi, deadline) for lo, hi in parts]
-                try:
-                    bodies = [f.result() for f in futures]
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
         starts = [o for o, _ in spans]
-        for part, body in zip(parts, bodies, strict=True):
-            _copy(part, memoryview(body).cast("B"), spans, starts)
+        if len(parts) == 1:
+            self._get_into(name, key, *parts[0], spans, starts, etag, deadline)
+            return parts[0][1] - parts[0][0]
+        with ThreadPoolExecutor(max_workers=min(self.options.concurrency, len(parts)),
+                                thread_name_prefix="dcp-get") as pool:
+            futures = [pool.submit(self._get_into, name, key, lo, hi, spans, starts, etag, deadline)
+                       for lo, hi in parts]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
         return sum(hi - lo for lo, hi in parts)
 
-    def _get(self, name: str, key: str | None, lo: int, hi: int, deadline: float) -> Any:
-        """The bytes [lo, hi) of the object; a short body is retried like an error."""
+    def _get_into(self, name: str, key: str | None, lo: int, hi: int, spans: Sequence[tuple[int, memoryview]],
+                  starts: list[int], etag: str | None, deadline: float) -> None:
+        """The bytes [lo, hi) of the object, streamed into ``spans``. A body that breaks off
+        or comes back short is retried from its first missing byte (pinned to ``etag``, the
+        rest comes from the same version)."""
         import obstore
 
-        def attempt() -> Any:
-            body = obstore.get_range(self.store, self.key(name), start=lo, end=hi)
-            return body if len(body) == hi - lo else (_SHORT, f"short body: {len(body)} of {hi - lo} bytes")
+        pos = lo
 
-        return self._retrying(attempt, name, key, f"reading bytes [{lo}, {hi})", deadline)
+        def attempt() -> Any:
+            nonlocal pos
+            options: dict[str, Any] = {"range": (pos, hi)}
+            if etag:
+                options["if_match"] = etag
+            res = obstore.get(self.store, self.key(name), options=options)
+            self._check_version(res.meta.get("e_tag"), etag, name, key)
+            for chunk in res.stream(min_chunk_size=STREAM_BYTES):
+                n = len(chunk)
+                if n > hi - pos:  # obstore checks the range it got; this cannot be retried away either
+                    raise _permanent(f"the endpoint {endpoint_of(self.scheme)} sent more than the "
+                                     f"{hi - lo} bytes [{lo}, {hi}) asked for: it does not serve byte ranges "
+                                     "as S3 does", self.uri(name), key)
+                _copy((pos, pos + n), memoryview(chunk), spans, starts)
+                pos += n
+            return None if pos == hi else (_SHORT, f"short body: {pos - lo} of {hi - lo} bytes")
+
+        self._retrying(attempt, name, key, f"reading bytes [{lo}, {hi})", deadline)
+
+    def _check_version(self, got: str | None, etag: str | None, name: str, key: str | None) -> None:
+        """ObjectChangedError when a response is of another version than ``etag`` (a store
+        that ignored If-Match; one that honours it answers 412, classified in ``_error``)."""
+        if etag and got and got != etag:
+            raise ObjectChangedError(
+                f"the object changed while it was read: its ETag was {etag} when it was opened and a "
+                f"response now carries {got}. Another process replaced the object during the read; read it "
+                "again once that writer is done (a checkpoint should not be read before its save "
+                "returned)", path=self.uri(name), key=key)
+
+
+def _permanent(message: str, uri: str, key: str | None) -> StorageError:
+    """A StorageError that ``_retrying`` raises at once: retrying cannot help."""
+    err = StorageError(message, path=uri, key=key)
+    err.permanent = True  # type: ignore[attr-defined]
+    return err
+
+
+def _refusal(text: str) -> str:
+    """The S3 error code and status of a refused request, from obstore's message."""
+    code = re.search(r"<Code>(\w+)</Code>", text)
+    status = re.search(r"status code: (\d{3}[^:]*)", text)
+    return " ".join(x for x in (status and status.group(1), code and code.group(1)) if x) or _short(text)[:200]
 
 
 def _short(text: str) -> str:
@@ -431,6 +610,7 @@ class ObjectFile:
         self.storage, self.name = storage, name
         self.path = storage.uri(name)
         self.size, etag = storage.head(name, key=key)
+        self.etag = etag  # every later GET is pinned to this version
         # the first bytes, shared by the readers of one process while the object is unchanged
         self._head_key = (self.path, etag, self.size) if etag else None
         self._head: bytes | None = _HEADS.get(self._head_key) if self._head_key else None
@@ -451,13 +631,13 @@ class ObjectFile:
         if offset + n <= HEAD_BYTES and (self._head is not None or n < HEAD_BYTES // 2):
             if self._head is None:
                 head = bytearray(min(self.size, HEAD_BYTES))
-                self.fetched += self.storage.fetch(self.name, [(0, memoryview(head))], key=key)
+                self.fetched += self.storage.fetch(self.name, [(0, memoryview(head))], key=key, etag=self.etag)
                 self._head = bytes(head)
                 if self._head_key:
                     _HEADS.put(self._head_key, self._head)
             view[:] = self._head[offset:offset + n]
             return
-        self.fetched += self.storage.fetch(self.name, [(offset, view)], key=key)
+        self.fetched += self.storage.fetch(self.name, [(offset, view)], key=key, etag=self.etag)
 
     def read_runs(self, out: Any, base: int, offsets: Iterable[int], run: int, *, key: str | None) -> None:
         view = memoryview(out).cast("B")
@@ -466,7 +646,7 @@ class ObjectFile:
             raise ValueError(f"read_runs: {len(spans) * run} bytes of runs for a buffer of {len(view)}")
         if spans:
             self._check(spans[0][0], spans[-1][0] + run - spans[0][0], key)
-            self.fetched += self.storage.fetch(self.name, spans, key=key)
+            self.fetched += self.storage.fetch(self.name, spans, key=key, etag=self.etag)
 
     def close(self) -> None:
         self._head = None

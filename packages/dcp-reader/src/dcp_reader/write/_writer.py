@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._dtypes import DTYPE_NAMES, to_safetensors, torch_dtype_name
-from .._errors import CheckpointError, UnknownDtypeError, summarise
+from .._errors import CheckpointError, MissingFileError, UnknownDtypeError, summarise
 from .._model import CheckpointMetadata, ValueMeta
 from .._values import decode_value, is_storable_value
 from ..formats._native import (
@@ -31,8 +31,9 @@ from ..formats._safetensors_file import read_header_at
 from ..integrity._checksum import block_digests
 from ..integrity._value_sums import bytes_checksum, canonical_json, value_checksum
 from ..storage._names import check_name
+from ..storage._object import ObjectChangedError, conditional_writes
 from ..storage._roots import storage_type, write_atomic
-from ._save_lock import NoLock, WriterLock
+from ._save_lock import NoLock, WriterLock, WriterLockError
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,17 @@ class NativeWriter:
     rename, so a crash at any point leaves the old checkpoint or the new one, never a mix.
     (Rewriting files under the names the committed metadata uses is not safe; for that
     case only, ``invalidate()`` first removes the old metadata.)
+
+    On an object store, which has no locks, ``lock()`` records the metadata object's ETag
+    and the prefix's names instead: ``commit`` writes the metadata only if it is still that
+    version (``If-Match``, or ``If-None-Match: *`` where there was none), so of two saves
+    into one prefix the second to commit fails with ``WriterLockError``; ``remove_stray``
+    removes only objects that were there when the save began.
     """
+
+    #: (ETag of the metadata object or None, names under the prefix), recorded by ``lock()``
+    #: on an object store
+    _seen: tuple[str | None, frozenset[str]] | None = None
 
     def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False):
         path = os.fspath(path)
@@ -261,6 +272,7 @@ class NativeWriter:
         to the record the next writer reads as ``WriterLock.previous``. An object store has
         no locks: there the save goes ahead unlocked (see the README)."""
         if not self.storage.local:
+            self._seen = self._object_state()
             return NoLock()
         return WriterLock(self.path, note).acquire()
 
@@ -278,11 +290,7 @@ class NativeWriter:
         a killed one. Other files are never touched. Returns the names removed."""
         removed = []
         if not self.storage.local:
-            store = self.storage
-            for name in stray_among(store.names(), metadata, legacy=False):
-                store.delete(name)
-                removed.append(name)
-            return removed
+            return self._remove_stray_objects(metadata)
         for name in stray_files(os.path.realpath(self.path), metadata, self._replaced):
             try:
                 os.unlink(os.path.join(self.path, name))
@@ -300,6 +308,8 @@ class NativeWriter:
         """Remove a committed metadata file (rank 0, before any rank writes new data)."""
         self.storage.delete(METADATA_FILE)
         self.storage.sync()
+        if self._seen is not None:
+            self._seen = (None, self._seen[1])  # the commit now creates the metadata object
 
     def commit(self, metadata: CheckpointMetadata) -> None:
         """Write the metadata last and atomically. Checks first that every file it names
@@ -316,9 +326,67 @@ class NativeWriter:
         self.storage.check_files(files)
         metadata = with_checksums(root, metadata)
         self._replaced = _legacy_named(root) if self.storage.local else set()
-        self.storage.put(METADATA_FILE, [metadata.to_json().encode()])
+        if self.storage.local:
+            self.storage.put(METADATA_FILE, [metadata.to_json().encode()])
+        else:
+            self._commit_object(metadata.to_json().encode())
         # The checkpoint directory's own entry lives in its parent: a directory this save
         # created is durable only once the parent is synced too.
         self.storage.sync(parent=True)
         logger.debug("committed %s: %d tensors, %d values", self.path, len(metadata.tensors),
                      len(metadata.values))
+
+    def _object_state(self) -> tuple[str | None, frozenset[str]]:
+        """(the metadata object's ETag, None when there is none; the names under the prefix)."""
+        try:
+            etag = self.storage.head(METADATA_FILE)[1]
+        except MissingFileError:
+            etag = None
+        return etag, frozenset(self.storage.names())
+
+    def _commit_object(self, raw: bytes) -> None:
+        """Put the metadata object if it is still the version ``lock()`` saw (when ``lock``
+        was not called: the version there now); else WriterLockError, nothing written."""
+        store = self.storage
+        if not conditional_writes():
+            store.put(METADATA_FILE, [raw])
+            return
+        etag = (self._seen or self._object_state())[0]
+        try:
+            store.put(METADATA_FILE, [raw], if_absent=etag is None, if_match=etag)
+        except ObjectChangedError:
+            try:
+                now = f"ETag {store.head(METADATA_FILE)[1]}"
+            except (CheckpointError, OSError):
+                now = "no object"
+            raise WriterLockError(
+                f"another save committed into {self.path} while this one ran: {METADATA_FILE} had "
+                f"{f'ETag {etag}' if etag else 'no object'} when this save began and has {now} now. This "
+                "save's metadata was not written (a conditional write), so the checkpoint there is the other "
+                "save's, whole. An object store has no locks: save again once the other job is done, or into "
+                "a prefix of its own", path=self.path) from None
+
+    def _remove_stray_objects(self, metadata: CheckpointMetadata) -> list[str]:
+        """``remove_stray`` on an object store. Objects that appeared after ``lock()`` are
+        another save's (one still running) and are left; one that cannot be deleted (a
+        bucket policy without s3:DeleteObject) is a warning: the checkpoint is committed."""
+        store = self.storage
+        try:
+            stray = stray_among(store.names(), metadata, legacy=False)
+        except CheckpointError as e:
+            logger.warning("could not list %s to remove the leftovers of earlier saves (%s); the new checkpoint "
+                           "is committed, and the next save removes them", self.path, e)
+            return []
+        if self._seen is not None:
+            stray = [n for n in stray if n in self._seen[1]]
+        failed = store.delete_many(stray)
+        if failed:
+            why = sorted(set(failed.values()))
+            logger.warning("could not remove %d leftover object(s) of earlier saves under %s: %s (%s). The new "
+                           "checkpoint is committed and loads; they only cost space: delete them, or allow "
+                           "s3:DeleteObject on the prefix and the next save removes them", len(failed), self.path,
+                           summarise(sorted(failed)), "; ".join(why))
+        removed = [n for n in stray if n not in failed]
+        if removed:
+            logger.debug("removed %d leftover object(s) from %s: %s", len(removed), self.path, summarise(removed))
+        return removed
