@@ -10,7 +10,7 @@ from ..storage._uri import real_root
 from ._hf import INDEX_FILE, SHARDING_KEY, SINGLE_FILE
 from ._hyper import FORMAT as HYPER_FORMAT
 from ._hyper import detect_hyper
-from ._native import MARKER_KEY, MARKER_VALUE
+from ._native import _OWN_FILE_RE, LOCK_FILE, MARKER_KEY, MARKER_VALUE
 from ._native import METADATA_FILE as NATIVE_METADATA
 from ._safetensors_file import read_header_at
 from ._torch_dcp import METADATA_FILE as DCP_METADATA
@@ -48,6 +48,13 @@ def detect_format(path: str | os.PathLike[str]) -> str:
         raise MissingMetadataError(
             f"{DCP_METADATA} is missing next to *.distcp files: an incomplete torch.distributed.checkpoint "
             "save (it writes .metadata last). Re-run the save", path=root, key=DCP_METADATA)
+    left = sorted(n for n in names if n == LOCK_FILE or _OWN_FILE_RE.fullmatch(n))
+    if left:  # the lock and temporary files a native save writes before its first commit
+        raise MissingMetadataError(
+            f"{NATIVE_METADATA} is missing and the directory holds only what a native save writes before it "
+            f"commits ({', '.join(map(repr, left[:3]))}{', ...' if len(left) > 3 else ''}): an incomplete native "
+            "checkpoint (the save was killed, or is still running; rank 0 writes the metadata last). Re-run the "
+            "save into this directory (it removes these files once it commits)", path=root, key=NATIVE_METADATA)
     raise MissingMetadataError(
         f"no checkpoint found: none of {NATIVE_METADATA}, {DCP_METADATA}, {INDEX_FILE}, {SINGLE_FILE} "
         f"or *.safetensors in the directory ({len(names)} entries). Check the path", path=root)
