@@ -8,6 +8,8 @@
 3. Only ``dcp_reader/storage/`` asks whether a path is a URI: elsewhere no call of
    ``is_uri`` and no test of a string for ``"://"``.
 4. At most 14 modules directly in each package's import folder.
+5. Every relative import names a module of its package (a module moved to another folder
+   with a function-level import left behind fails only when that function runs).
 
 Exit 1 listing every offence, 0 when the tree keeps the rules. ``python .ci/check_house.py``.
 """
@@ -57,6 +59,18 @@ def imported(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> s
                 found.add(cand)
                 break
     return found
+
+
+def broken_relative(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> list[str]:
+    """Relative imports of ``path`` whose module is none of ``known`` (nor a name in a package)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            if base not in known:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {base}, which does not exist")
+    return out
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -147,6 +161,8 @@ def main() -> int:
         graph = {name: imported(name, path, known) for name, path in known.items()}
         problems += [f"import circle in {src.relative_to(ROOT)}: {' <-> '.join(c)}" for c in circles(graph)]
         problems += layer_offences(graph)
+        for name, path in known.items():
+            problems += broken_relative(name, path, known)
         if src.name == "src":
             for pkg in sorted(p for p in src.iterdir() if (p / "__init__.py").exists()):
                 top = [p for p in pkg.glob("*.py") if p.stem not in ("__init__", "_version")]

@@ -202,7 +202,7 @@ def flat4_cases(rank: int, world: int, ckpts: dict[str, str]) -> dict[str, Any]:
 
     def planning(errors: list[str], whole: bool) -> Any:
         """DTensors next to a Flat, whole or part of its tensor: loaded on the gathered path."""
-        import dcp_load._load as load_module
+        import dcp_load.run._steps as load_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         state = _dtensor_state(mesh, [Replicate(), Shard(0)])

@@ -1,112 +1,39 @@
-"""``load``: fill a state dict in place from a checkpoint, reading every needed byte once."""
+"""``load``: fill a state dict in place from a checkpoint, reading every needed byte once.
+
+The front door: ``load`` reads as its phases (enter, prepare, plan, validate, execute,
+finish, report); each phase is a step of ``run/_steps.py``.
+"""
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_platform import PeerFailure
-
-from ._errors import LoadError
-from .layouts._aliases import resolve_aliases
-from .layouts._flat_target import check_overlaps
-from .layouts._sources import SourceMap
-from .layouts._state import Chunk, Flat, flatten_state_dict, is_tensor, unsupported_values
-from .layouts._target_for import target_for
-from .layouts._targets import Target, in_mesh
-from .plan._derived import checkpoint_digest, derived_plan, ensure_groups, settings_text
-from .plan._digest import checkpoint_causes
-from .plan._hosts import host_id
-from .plan._plan import BROADCASTABLE, VIEWS, Planner, Want, build_global_plan
-from .run._coordinate import Coordinator, next_load_slot, skip_slot, timeout_seconds
-from .run._execute import execute
-from .run._progress import Progress
+from .plan._plan import Planner
+from .run._coordinate import next_load_slot, skip_slot
 from .run._report import LoadReport
-from .run._shared_open import local_storage, open_shared
-from .run._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
+from .run._steps import (
+    AUTO,
+    Phases,
+    close,
+    effective_mode,
+    enter,
+    fallback_platform,
+    finish,
+    make_plan,
+    make_report,
+    open_reader,
+    prepare,
+    resolve_platform,
+    run_plan,
+    validate_reads,
+)
 
-__all__ = ["load", "resolve_platform"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["AUTO", "DEFAULT_BATCH_BYTES", "fallback_platform", "load", "resolve_platform"]
 
 DEFAULT_BATCH_BYTES = 6 * 1024 * 1024
-
-#: ``broadcast_replicated_tensors`` mode: broadcast a replicated box only when its ranks
-#: span hosts; ranks of one host each read it, since they share one page cache. On one
-#: 2-core host with 4 gloo ranks, re-reading from the page cache beat broadcasting over
-#: loopback gloo (BENCHMARKS.md, "broadcast or re-read on one host").
-AUTO = "auto"
-
-
-def _check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: Any, groups: Any,
-                     batch_bytes: Any, no_dist: bool, use_collectives: bool) -> None:
-    if not (isinstance(broadcast, bool) or broadcast == AUTO):
-        raise ValueError(f"load: broadcast_replicated_tensors must be True, False or {AUTO!r}, "
-                         f"got {broadcast!r}")
-    if checkpoint_id is None and storage_reader is None:
-        raise ValueError("load: give checkpoint_id= (the checkpoint directory) or "
-                         "storage_reader= (an open dcp_reader.CheckpointReader)")
-    if checkpoint_id is not None and storage_reader is not None:
-        raise ValueError("load: give either checkpoint_id= or storage_reader=, not both "
-                         f"(got checkpoint_id={checkpoint_id!r} and a storage_reader)")
-    if groups is not None and not broadcast:
-        raise ValueError("load: broadcast_groups= was given with broadcast_replicated_tensors=False; "
-                         "drop broadcast_groups or set broadcast_replicated_tensors=True")
-    if groups is not None and (no_dist or not use_collectives):
-        raise ValueError("load: broadcast_groups= has no effect with no_dist=True or "
-                         "use_collectives=False (nothing is broadcast); drop it")
-    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
-        raise ValueError(f"load: broadcast_batch_bytes must be an int >= 0 (0 disables packing), "
-                         f"got {batch_bytes!r}")
-
-
-def resolve_platform(platform: Any, leaves: Any) -> Any:
-    """The platform given (object or name), else chosen from $DCP_PLATFORM or the first tensor."""
-    from dcp_platform import Platform, get_platform
-
-    if isinstance(platform, Platform):
-        return platform
-    if platform is not None:
-        return get_platform(platform)
-    for leaf in leaves:
-        if is_tensor(leaf.value):
-            value = leaf.value.tensor if isinstance(leaf.value, (Chunk, Flat)) else leaf.value
-            try:
-                return get_platform(tensor=value)
-            except ValueError:
-                break  # an unsupported tensor type: target_for reports it through the exchange
-    return get_platform(os.environ.get("DCP_PLATFORM") or "torch")
-
-
-def _flags(target: Target, caps: Any, broadcast: bool) -> int:
-    flags = 0
-    if broadcast:
-        device = target.adapter.device_type(target.local)
-        if (caps.host_collectives if device == "cpu" else device == caps.device_type):
-            flags |= BROADCASTABLE
-    if target.adapter.views:
-        flags |= VIEWS
-    return flags
-
-
-class _Phases:
-    """Per-phase wall times, logged at DEBUG with the rank as each phase ends."""
-
-    def __init__(self, rank: int):
-        self.rank, self.seconds = rank, {}
-        self.progress = Progress(rank)  # INFO lines and a terminal bar, on rank 0 only
-        self.start = self._mark = time.perf_counter()
-
-    def end(self, phase: str, nbytes: int = 0) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
-        logger.debug("rank %d: load phase %s took %.4f s", self.rank, phase, now - self._mark)
-        self.progress.phase(phase, now - self._mark, nbytes)
-        self._mark = now
+_fallback_platform = fallback_platform  # the name callers of the 0.5 tree import
 
 
 def load(
@@ -128,53 +55,17 @@ def load(
     timeout: Any = None,
     sources: Mapping[str, Any] | None = None,
 ) -> LoadReport:
-    """Fill ``state_dict`` in place from the checkpoint; call on every rank (see README).
-
-    ``checkpoint_id``: a checkpoint directory (any format ``dcp_reader`` detects) or
-    ``storage_reader``: an open ``dcp_reader.CheckpointReader`` (left open). ``planner``:
-    chooses the reader of each replicated box (default: none, the byte-level owner rule of
-    ``_owners``, README "How it plans"; a planner replaces it, e.g. ``GreedyPlanner()``). ``no_dist`` or
-    ``use_collectives=False``: no collective at all, every rank reads what it holds.
-    ``broadcast_replicated_tensors``: ``True``: boxes several ranks hold are read once and
-    broadcast; ``"auto"`` (default): the same, except boxes whose ranks all run on one host
-    (``_hosts.host_id``; ``$DCP_HOST_ID`` overrides it), which each of them reads from the
-    shared page cache; ``False``: every rank reads what it holds (``broadcast_groups``: a ``dcp_broadcast.GroupManager`` or a mapping from rank tuples to
-    groups to reuse; ``broadcast_batch_bytes``: boxes below it are packed, 0 disables).
-    ``strict=False`` skips entries the checkpoint lacks (listed in the report).
-    ``platform``: a ``dcp_platform.Platform`` or its name (default: from the tensors).
-    ``allow_pickle``: allow non-tensor values that only unpickling can read, which runs code
-    from the checkpoint: native values saved with ``allow_pickle=True``, hyper-parallel's, and
-    torch DCP values that ``torch.load(weights_only=True)`` refuses (objects of your own
-    classes). torch DCP's plain values and optimizer state need no flag. Destinations that
-    hold an object with its own state (a module, an optimizer) or a numpy array are refused.
-    ``allow_dtype_cast``: destinations whose dtype differs from the checkpoint's (float32
-    master weights from a bfloat16 checkpoint) are cast piece by piece, as torch DCP does,
-    and listed in the report's ``cast``; ``False`` refuses any dtype difference.
-    ``tied_weights``: for keys that hold one tensor (tied weights, found by shared memory),
-    ``{key: key_whose_value_it_takes}``, for example
-    ``{"lm_head.weight": "model.embed_tokens.weight"}``. Tied keys are loaded once; when the
-    checkpoint's values of tied keys differ, the load fails unless this names the winner.
-    A tied key the checkpoint lacks is filled through one it holds.
-
-    ``timeout`` (a ``timedelta`` or seconds; default: the default process group's timeout,
-    else 10 minutes): how long ranks that entered ``load`` wait for the others, and for any
-    single collective; on expiry they raise ``LoadError`` naming the ranks that did not
-    arrive (see README, "Failure model"). Every rank must make the same calls of ``load``
-    in the same order: the n-th call of each rank is matched with the n-th of the others.
-
-    ``sources``: where destinations' values come from, ``{destination key: source}``; a
-    source is a saved tensor's name (a rename), ``Concat``, ``Stack`` or ``Slice`` of saved
-    tensors; keys may hold ``{name}`` placeholders (one dot-free segment each, substituted
-    into the source's names); destinations no key matches load from their own names (see
-    README, "Loading into another layout"). Composed sources are read piece by piece like
-    any saved tensor, each stored byte once; the report's ``composed`` lists them.
-
-    Every problem is found before any destination is written; a failure on any rank raises
-    ``LoadError`` on every rank. Returns this rank's ``LoadReport``.
-    """
+    """Fill ``state_dict`` in place from ``checkpoint_id`` (a directory or ``s3://`` URI) or an
+    open ``storage_reader``; call on every rank, the n-th call of each rank matched with the
+    n-th of the others. ``planner``: default none, the byte-level owner rule (README "How it
+    plans"). ``broadcast_replicated_tensors``: ``"auto"`` re-reads on one host and broadcasts
+    across hosts and on object storage; ``True`` always, ``False`` never. ``sources``: renames
+    and ``Concat``/``Stack``/``Slice`` compositions. The README's "API" table describes every
+    argument. Every problem is found before any destination is written; a failure on any
+    rank raises ``LoadError`` on every rank within ``timeout``. Returns this rank's report."""
     slot = next_load_slot()  # every call counts, so that the n-th calls of all ranks pair up
     try:
-        coord, platform, leaves, errors, source_map = _enter(
+        coord, platform, leaves, errors, source_map = enter(
             slot, state_dict, sources, checkpoint_id=checkpoint_id, storage_reader=storage_reader, no_dist=no_dist,
             use_collectives=use_collectives, broadcast_replicated_tensors=broadcast_replicated_tensors,
             broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes, platform=platform,
@@ -184,277 +75,21 @@ def load(
         raise
     with coord:
         coord.arrive()
-        return _load(coord, platform, coord.watch is not None, leaves, errors,
-                     checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
-                     broadcast_replicated_tensors=broadcast_replicated_tensors,
-                     broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes,
-                     strict=strict, allow_pickle=allow_pickle, tied_weights=tied_weights,
-                     allow_dtype_cast=allow_dtype_cast, source_map=source_map)
-
-
-def _enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
-           use_collectives: bool, broadcast_replicated_tensors: Any, broadcast_groups: Any,
-           broadcast_batch_bytes: Any, platform: Any,
-           timeout: Any) -> tuple[Coordinator, Any, list[Any], list[str], Any]:
-    """Check the arguments, choose the platform and decide whether this call is collective:
-    the call's ``Coordinator`` (not entered), the platform, the state dict's leaves, the
-    problems to report through the first exchange and the parsed ``sources=``. A call without collectives in a job with a
-    process group tells the ranks that make this call collectively (``skip_slot``)."""
-    _check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
-                     broadcast_batch_bytes, no_dist, use_collectives)
-    if timeout is not None:
-        timeout_seconds(timeout)  # refuse a bad value before anything else
-    errors: list[str] = []
-    source_map = None
-    try:
-        source_map = SourceMap(sources) if sources is not None else None
-    except (TypeError, ValueError) as exc:  # through the exchange: a stage's own sources= may be bad alone
-        errors.append(f"{type(exc).__name__}: {exc}")
-    try:
-        leaves = flatten_state_dict(state_dict)
-    except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
-        leaves = []
-        errors.append(f"{type(exc).__name__}: {exc}")
-    try:
-        platform = resolve_platform(platform, leaves)
-    except Exception as exc:
-        # Reported through the exchange over torch.distributed when it runs, so that the
-        # other ranks raise too instead of waiting for this one.
-        platform = _fallback_platform(exc)
-        errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
-    check_launch(platform, no_dist, "load")
-    # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
-    # loads what it saved, alone. Decided from the directory listing, which all ranks share.
-    from dcp_reader import is_rank_local
-
-    rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
-    collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
-    if not collective:
-        why = ("no_dist=True" if no_dist else "use_collectives=False" if not use_collectives
-               else "a checkpoint saved per rank (rank-local metadata)" if rank_local else "no process group")
-        skip_slot(slot, f"called load without collectives ({why}) while other ranks made this call with "
-                        "collectives; every rank must pass the same no_dist and use_collectives")
-    coord = Coordinator(platform, collective=collective, timeout=timeout_seconds(timeout, platform=platform),
-                        slot=slot)
-    return coord, platform, leaves, errors, source_map
-
-
-def _gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
-                  settings: tuple[Any, ...], broadcast: bool, digest: tuple[Any, Any]) -> tuple[list[Any], Any]:
-    """Every rank's wants and hosts (the gathered path), after checking that every rank
-    passed the same broadcast settings and planned from the same checkpoint metadata (a
-    checkpoint re-saved during the load, or nodes with different copies, would make the
-    ranks walk different broadcast schedules: gloo aborted the process on the size
-    mismatch). Either difference raises LoadError on every rank, naming the ranks.
-    ``digest``: the checkpoint's ``checkpoint_digest`` (None without a reader) and the path opened."""
-    host = host_id() if broadcast else None
-    gathered_all = coord.exchange(exchange, errors, "validate", collective=collective,
-                                  payload=(wants, settings, host, digest))
-    if len({s for _, s, _, _ in gathered_all}) > 1:
-        per_rank = {r: [settings_text(s)] for r, (_, s, _, _) in enumerate(gathered_all)}
-        raise LoadError({r: [*c, "every rank must pass the same broadcast settings"]
-                         for r, c in per_rank.items()}, "validate")
-    differ = checkpoint_causes([d for _, _, _, d in gathered_all])
-    if differ:
-        raise LoadError(differ, "validate")
-    return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
-
-
-def _fallback_platform(exc: Exception) -> Any:
-    """The torch platform when torch.distributed runs (peers may wait on us), else re-raise."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        raise exc from None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise exc
-    from dcp_platform import get_platform
-
-    return get_platform("torch")
-
-
-@dataclass
-class _Prepared:
-    """What the preparation found on this rank (each list empty after a reported error)."""
-
-    reader: Any
-    owned: bool = False
-    targets: list[Target] = field(default_factory=list)
-    values: list[Any] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    outside: list[str] = field(default_factory=list)
-    tied: list[tuple[str, str]] = field(default_factory=list)
-    cast: list[str] = field(default_factory=list)
-    wants: list[Want] = field(default_factory=list)
-    by_value: dict[str, Any] = field(default_factory=dict)
-    composed: list[tuple[str, int]] = field(default_factory=list)
-
-
-def _prepare(prep: _Prepared, leaves: list[Any], errors: list[str], platform: Any, broadcast: bool, *,
-             checkpoint_id: Any, allow_pickle: bool, tied_weights: Mapping[str, str] | None, strict: bool,
-             allow_dtype_cast: bool, source_map: SourceMap | None = None) -> None:
-    """Targets, the reader, and every check that needs no other rank; a problem is added
-    to ``errors`` (never raised: it must reach the exchange so that other ranks raise too)."""
-    if errors:
-        return
-    try:
-        tensor_leaves = [leaf for leaf in leaves if is_tensor(leaf.value)]
-        prep.by_value = {leaf.name: leaf.value for leaf in tensor_leaves}
-        errs, prep.values = unsupported_values([leaf for leaf in leaves if not is_tensor(leaf.value)])
-        errors.extend(errs)  # named before the missing keys, which they are not
-        prep.outside = [leaf.name for leaf in tensor_leaves if not in_mesh(leaf.value)]
-        targets = [target_for(leaf) for leaf in tensor_leaves if in_mesh(leaf.value)]
-        errors.extend(check_overlaps(targets))  # a Flat sharing bytes with another entry
-        if prep.reader is None:
-            from dcp_reader import open_checkpoint
-
-            prep.reader = open_checkpoint(checkpoint_id, allow_pickle=allow_pickle, rank=platform.rank())
-            prep.owned = True
-        cast: list[str] = []
-        skipped: list[str] = []
-        through: list[tuple[str, str]] = []  # skipped by strict=False, filled through a tied key
-        if source_map is not None:  # composed destinations become virtual tensors of the reader
-            from .layouts._sourced_reader import apply_sources
-
-            applied = apply_sources(prep.reader, targets, source_map, allow_dtype_cast, strict,
-                                    values=[leaf.name for leaf in prep.values], whole=not platform.is_distributed())
-            errors.extend(applied.errors)
-            prep.reader, targets, prep.composed = applied.reader, applied.targets, applied.composed
-            cast, skipped, through = applied.cast, applied.missing, applied.tied
-        metadata = prep.reader.metadata
-        errs, targets, prep.tied = resolve_aliases(targets, prep.reader, tied_weights)
-        prep.tied += through
-        errors.extend(errs)
-        errs, targets, prep.values, prep.missing = check_targets(targets, prep.values, metadata, strict)
-        prep.missing += skipped
-        errors.extend(errs)
-        errs, prep.cast = check_dtypes(targets, metadata, allow_dtype_cast)
-        prep.cast += [n for n in cast if n not in prep.cast]
-        errors.extend(errs)
-        prep.targets = targets
-        caps = platform.capabilities
-        prep.wants = [(t.name, b.offsets, b.sizes, _flags(t, caps, broadcast), t.dtype)
-                      for t in targets for b in t.boxes]
-    except Exception as exc:  # noqa: BLE001 - must reach the exchange so other ranks raise too
-        errors.append(f"{type(exc).__name__}: {exc}")
-
-
-def _make_plan(coord: Coordinator, platform: Any, collective: bool, prep: _Prepared, errors: list[str],
-               phases: _Phases, *, mode: Any, broadcast: bool, batch_bytes: int, planner: Any,
-               groups: Any) -> tuple[Any, bool]:
-    """(the plan, whether it was derived). Ends the ``prepare`` and ``plan`` phases."""
-    reader = prep.reader
-    # The settings that shape the collectives travel with the wants: ranks that differ
-    # would walk different broadcast schedules and hang, so they fail together instead.
-    # Supplied groups change how groups are made (gathered, not by their members alone).
-    # So does the planner (by class): ranks with different planners make different plans.
-    settings = (mode if broadcast else False, batch_bytes, groups is not None,
-                None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}")
-    # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
-    # plain tensors, ranks exchange a fixed-size digest instead of their wants.
-    meta_hash = checkpoint_digest(reader) if reader is not None else None  # hashes every chunk: once
-    path = getattr(reader, "path", None)  # shown when ranks opened checkpoints that differ
-    plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
-                        failed=bool(errors), settings=settings, broadcast=broadcast,
-                        same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter, meta_hash=meta_hash, checkpoint=path) if collective else None
-    if plan is not None:
-        phases.end("prepare")
-        phases.end("plan")
-        return plan, True
-    gathered, hosts = _gather_wants(coord, errors, collective, prep.wants, settings, broadcast, (meta_hash, path))
-    phases.end("prepare")
-    plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                             hosts=hosts, same_host_reads=mode == AUTO)
-    phases.end("plan")
-    return plan, False
-
-
-def _run(coord: Coordinator, platform: Any, plan: Any, me: int, prep: _Prepared, phases: _Phases, *,
-         derived: bool, groups: Any, batch_bytes: int) -> Any:
-    """Read and broadcast this rank's part of ``plan`` (the ``execute`` phase)."""
-    rank = platform.rank()
-    coord.phase = "execute"
-    groups, close_groups = (ensure_groups(platform, plan, groups, coord.waiter) if derived else (groups, False))
-    done = False
-    try:
-        stats = execute(platform, prep.reader, plan, me, {t.name: t for t in prep.targets}, batch_bytes=batch_bytes,
-                        groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
-        done = True
-    except PeerFailure:
-        raise  # another rank's failure: the coordinator names it
-    except Exception as exc:
-        raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
-    finally:
-        # On every path (KeyboardInterrupt and a peer's failure too): a group left open
-        # leaks. After a failure, no rank waits for the others to close.
-        if close_groups:
-            groups.close(wait_for_peers=done, raise_errors=done)
-    phases.end("execute", stats.bytes_read + stats.bytes_received)
-    return stats
-
-
-def _load(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], errors: list[str], *,
-          checkpoint_id: Any, storage_reader: Any, planner: Any, broadcast_replicated_tensors: Any,
-          broadcast_groups: Any, broadcast_batch_bytes: int, strict: bool, allow_pickle: bool,
-          tied_weights: Mapping[str, str] | None, allow_dtype_cast: bool,
-          source_map: SourceMap | None = None) -> LoadReport:
-    """``load`` once the platform is chosen and every rank arrived (bounded by ``coord``):
-    prepare, plan, validate, execute, finish."""
-    if broadcast_replicated_tensors == AUTO and not local_storage(checkpoint_id):
-        # An object store has no page cache that a host's ranks share: "auto"'s same-host
-        # reads would fetch each replicated byte once per rank (measured: 4.01 x the unique
-        # bytes on DP4, benchmarks/bench_s3.py). Every byte is fetched once per job instead.
-        broadcast_replicated_tensors = True
-    broadcast = collective and bool(broadcast_replicated_tensors)
-    phases = _Phases(platform.rank())
-    prep = _Prepared(reader=storage_reader)
-    if collective and storage_reader is None and not local_storage(checkpoint_id):  # one rank lists the bucket
-        prep.reader, prep.owned = open_shared(coord, platform, checkpoint_id, errors, allow_pickle=allow_pickle), True
-    try:
-        _prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
-                 tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast, source_map=source_map)
-        plan, derived = _make_plan(coord, platform, collective, prep, errors, phases,
-                                   mode=broadcast_replicated_tensors, broadcast=broadcast,
-                                   batch_bytes=broadcast_batch_bytes, planner=planner, groups=broadcast_groups)
-        me = platform.rank() if collective else 0
-        phases.progress.plan(plan, me, len(prep.targets))
-
-        errs, got = check_reads(prep.reader, plan.reads_for(me), prep.values)
-        coord.check(errs, "validate", collective=collective)
-        phases.end("validate")
-
-        stats = _run(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
-                     batch_bytes=broadcast_batch_bytes)
-        job_read, job_unique = coord.check(stats.errors, "execute", collective=collective,
-                                           sums=(stats.bytes_read, plan.unique_bytes))
-        for leaf in prep.values:
-            leaf.replace(got[leaf.name])
-        phases.end("finish")
-    finally:
-        phases.progress.close()
-        if prep.owned and prep.reader is not None:
-            prep.reader.close()
-    return _report(platform, collective, prep, plan, stats, phases,
-                   job_read=job_read, job_unique=job_unique if derived else plan.unique_bytes)
-
-
-def _report(platform: Any, collective: bool, prep: _Prepared, plan: Any, stats: Any, phases: _Phases, *,
-            job_read: int, job_unique: int) -> LoadReport:
-    seconds = dict(phases.seconds)
-    seconds["total"] = time.perf_counter() - phases.start
-    reader, rank = prep.reader, platform.rank()
-    report = LoadReport(
-        rank=rank, world_size=platform.world_size() if collective else 1, format=reader.format,
-        tensors=len(prep.targets), values=len(prep.values),
-        bytes_needed=sum(t.numel * reader.metadata.tensors[t.name].itemsize for t in prep.targets),
-        bytes_read=stats.bytes_read, bytes_received=stats.bytes_received, bytes_sent=stats.bytes_sent,
-        broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=job_read,
-        job_unique_bytes=job_unique, seconds=seconds, missing=tuple(prep.missing), cast=tuple(prep.cast),
-        skipped_not_in_mesh=tuple(prep.outside), tied=tuple(prep.tied), composed=tuple(prep.composed),
-    )
-    phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
-    logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
-                 "received %d in %d broadcast(s)", rank, report.tensors, report.values, seconds["total"],
-                 report.bytes_read, report.bytes_needed, report.bytes_received, report.broadcasts)
-    return report
+        collective = coord.watch is not None
+        mode = effective_mode(broadcast_replicated_tensors, checkpoint_id)
+        broadcast, phases = collective and bool(mode), Phases(platform.rank())
+        prep = open_reader(coord, platform, collective, checkpoint_id, storage_reader, errors, allow_pickle)
+        try:
+            prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
+                    tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast, source_map=source_map)
+            plan, derived = make_plan(coord, platform, collective, prep, errors, phases, mode=mode, broadcast=broadcast,
+                                      batch_bytes=broadcast_batch_bytes, planner=planner, groups=broadcast_groups)
+            me = platform.rank() if collective else 0
+            got = validate_reads(coord, prep, plan, me, collective, phases)
+            stats = run_plan(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
+                             batch_bytes=broadcast_batch_bytes)
+            job_read, job_unique = finish(coord, prep, plan, stats, got, collective, phases)
+        finally:
+            close(prep, phases)
+        return make_report(platform, collective, prep, plan, stats, phases,
+                           job_read=job_read, job_unique=job_unique if derived else plan.unique_bytes)
