@@ -26,6 +26,7 @@ import _bench_throttle as _throttle
 from _bench_files import (
     checkpoint_files,
     copy_checkpoint,
+    node_copy,
     warm_files,
     write_hf_checkpoint,
     write_warmup_checkpoint,
@@ -52,7 +53,7 @@ _box = box  # the name the scripts used before the spec moved down a module
 
 __all__ = [
     "GiB", "MiB", "CollectiveCounter", "MemorySampler", "ModelSpec", "Run", "SmallSpec", "build_state_dict",
-    "can_drop_caches", "checkpoint_files", "copy_checkpoint", "cpu_seconds", "drop_page_cache",
+    "can_drop_caches", "checkpoint_files", "copy_checkpoint", "node_copy", "cpu_seconds", "drop_page_cache",
     "fadvise_dontneed", "loader_probe", "make_mesh", "measure_disk_bandwidth", "now", "rank_load",
     "read_ahead_kb", "read_bytes", "readahead_probe", "set_cache", "spec_nbytes", "verify_state_dict", "warm_files",
     "warmup_spec", "write_hf_checkpoint", "write_warmup_checkpoint",

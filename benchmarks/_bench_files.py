@@ -75,6 +75,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.is_file() and p.name != "bench-spec.json")
 
 
+def node_copy(root: Path, node: int) -> Path:
+    """Where simulated node ``node`` keeps its copy of ``root``: ``node<k>/<root's name>``
+    beside it, the same directory name on every node, as a cluster's nodes mount one path
+    (dcp tells checkpoints without checksums apart by their directory's name)."""
+    return root if node == 0 else root.parent / f"node{node}" / root.name
+
+
 def copy_checkpoint(src: Path, dst: Path) -> None:
     """A byte-identical copy: a simulated node's own copy of the files."""
     marker = src / "bench-spec.json"

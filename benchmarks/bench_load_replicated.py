@@ -24,6 +24,7 @@ from _bench_common import (
     Run,
     copy_checkpoint,
     measure_disk_bandwidth,
+    node_copy,
     readahead_probe,
     warm_files,
     warmup_spec,
@@ -83,7 +84,7 @@ def prepare_checkpoints(args: Any, log: Any, layouts: list[str], copies_needed: 
         roots["fsdp4"] = (f_base, f_warm)
     sources: dict[str, dict[str, Any]] = {}
     for kind, (root, wdir) in roots.items():
-        dirs = [root] + [root.with_name(f"{root.name}-node{k}") for k in range(1, nodes)]
+        dirs = [node_copy(root, k) for k in range(nodes)]
         if copies_needed:
             for c in dirs[1:]:
                 copy_checkpoint(root, c)

@@ -44,6 +44,7 @@ from _bench_common import (  # noqa: E402
     MemorySampler,
     MiB,
     copy_checkpoint,
+    node_copy,
     now,
     read_bytes,
     set_cache,
@@ -216,7 +217,7 @@ def main() -> None:
     hf = work / ("hf-model-quick" if args.quick else "hf-model")
     unique = write_hf_checkpoint(hf, spec)
     warm_dir = write_warmup_checkpoint(work, spec)
-    copies = [hf] + [hf.with_name(f"{hf.name}-node{k}") for k in range(1, NODES)]
+    copies = [node_copy(hf, k) for k in range(NODES)]
     for c in copies[1:]:
         copy_checkpoint(hf, c)
     launcher = Launcher()

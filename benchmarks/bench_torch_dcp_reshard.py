@@ -32,6 +32,7 @@ from _bench_common import (  # noqa: E402
     MiB,
     Run,
     copy_checkpoint,
+    node_copy,
     rank_load,
     set_cache,
     warmup_spec,
@@ -57,7 +58,7 @@ def prepare(args: argparse.Namespace, launcher: Launcher) -> tuple[object, int, 
     warm = warm_hf.with_name(warm_hf.name + "-fsdp4")
     write_fsdp_checkpoint(launcher, hf, fsdp, spec, args.rank_timeout)
     write_fsdp_checkpoint(launcher, warm_hf, warm, warmup_spec(spec), args.rank_timeout)
-    nodes = [fsdp] + [fsdp.with_name(f"{fsdp.name}-node{k}") for k in range(1, NODES)]
+    nodes = [node_copy(fsdp, k) for k in range(NODES)]
     for copy in nodes[1:]:
         copy_checkpoint(fsdp, copy)
     return spec, unique, hf, nodes, str(warm)
