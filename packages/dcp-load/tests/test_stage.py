@@ -1,6 +1,6 @@
 """Staged reads (casts, strided destinations) cut into bounded pieces: the pieces tile the
 box exactly, in row-major order, each within the limit (hypothesis); a cast load of a
-tensor larger than the limit reads it piece by piece through the scratch, with the values
+tensor larger than the limit reads it piece by piece through the staging pool, with the values
 of a plain cast."""
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ def test_pieces_tile_the_box_within_the_limit(box):
 def test_cast_load_goes_through_bounded_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(_stage, "STAGE_BYTES", 4096)
     seen = []
-    real = _stage.Scratch.view
+    real = _stage.StagingPool.take
 
-    def view(self, dtype, shape):
-        seen.append(math.prod(shape) * dtype.itemsize)
-        return real(self, dtype, shape)
+    def take(self, nbytes):
+        seen.append(nbytes)
+        return real(self, nbytes)
 
-    monkeypatch.setattr(_stage.Scratch, "view", view)
+    monkeypatch.setattr(_stage.StagingPool, "take", take)
     w = torch.randn(100, 30)
     save_file({"w": w, "s": w[:, :7].contiguous()}, str(tmp_path / "model.safetensors"))
     dest = {"w": torch.full((100, 30), 7.0, dtype=torch.bfloat16)}

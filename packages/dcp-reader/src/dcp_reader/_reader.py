@@ -36,7 +36,7 @@ from .integrity._checksum import BlockSums
 from .integrity._hash_worker import HashWorker
 from .integrity._value_sums import check_bytes, check_value
 from .storage._names import METADATA_LIMIT
-from .storage._pread import close_fd, fd_size, pread_bytes
+from .storage._pread import close_fd, fd_size, pread_bytes, pread_into
 from .storage._protocol import Storage
 from .storage._roots import check_files, open_regular, read_regular, storage_at
 from .storage._uri import real_root
@@ -80,6 +80,7 @@ class CheckpointReader:
         self._max_open = max_open_files
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
+        self._overread = 0  # bytes covering reads fetched beyond their boxes
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         self._layouts = BlobLayouts()  # torch-dcp: where each blob's tensor lies
         # file -> (its unpickled values, the value checksums its bytes were verified against)
@@ -91,6 +92,12 @@ class CheckpointReader:
     @property
     def bytes_read(self) -> int:
         return self._bytes_read
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes taken from storage: ``bytes_read`` plus what covering reads fetched around
+        their boxes (``read_covering``)."""
+        return self._bytes_read + self._overread
 
     @property
     def storage(self) -> Storage:
@@ -253,6 +260,66 @@ class CheckpointReader:
             np.copyto(out.view(data.dtype) if out.dtype != data.dtype else out, data)
         else:
             out.copy_(data)
+
+    # -- covering reads: a box's covering byte range into a staging buffer -----------------
+    def _covering(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                  verify: bool) -> tuple[Any, int, int, int, tuple[int, ...], Any, int] | None:
+        """(file, lo, hi, box offset from lo, box byte strides, sums, file offset of the
+        chunk's first byte: torch-dcp only) of the byte range [lo, hi) covering the box,
+        relative to its chunk's first byte; None for a torch-dcp blob loaded whole (it has
+        no byte layout to cover)."""
+        t, sl = self._box(name, chunk, offsets, sizes)
+        if self.format != "torch-dcp":
+            f, sums = self._safetensors(name, t.dtype, chunk, verify)
+            lo, hi, box, sums = f.covering(chunk.key, sl, t.itemsize, sums)
+            return f, lo, hi, box.lo - lo, box.strides, sums, 0
+        f, layout = self._dcp_layout(t.dtype, name, chunk)
+        if layout is None:
+            return None
+        strides = tuple(st * t.itemsize for st in layout.stride)
+        lo = sum(s.start * st for s, st in zip(sl, strides, strict=True))
+        hi = sum((s.stop - 1) * st for s, st in zip(sl, strides, strict=True)) + t.itemsize
+        return f, lo, (hi if math.prod(sizes) else lo), 0, strides, None, chunk.storage[0] + layout.start
+
+    def covering_bytes(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
+                       verify: bool = True) -> int | None:
+        """The staging bytes ``read_covering`` needs for the box: the byte range that covers
+        it in the file (widened to whole checksum blocks still to be verified); None when the
+        box cannot be read that way (a torch-dcp blob loaded whole)."""
+        found = self._covering(name, chunk, offsets, sizes, verify)
+        return None if found is None else found[2] - found[1]
+
+    def read_covering(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                      buf: Any, *, verify: bool = True) -> Any:
+        """Read the byte range covering the box into ``buf`` (a contiguous CPU uint8 torch
+        tensor of at least ``covering_bytes``) with one ranged read, and return the box as
+        a strided torch view of ``buf`` in the tensor's dtype, for the caller to copy out.
+        ``bytes_read`` counts the box, ``bytes_fetched`` the whole range. ValueError when
+        the box cannot be read this way (``covering_bytes`` said None)."""
+        import torch
+
+        found = self._covering(name, chunk, offsets, sizes, verify)
+        if found is None:
+            raise ValueError(f"{name!r} in {chunk.file!r} is loaded whole; read it with read_into")
+        f, lo, hi, start, strides, sums, base = found
+        t = self.metadata.tensors[name]
+        if buf.numel() < hi - lo:
+            raise ValueError(f"buf has {buf.numel()} bytes; the range covering the box needs {hi - lo}")
+        dtype = getattr(torch, t.dtype)
+        if hi == lo:
+            return torch.empty(sizes, dtype=dtype)
+        raw = buf[:hi - lo]
+        if self.format == "torch-dcp":
+            self._layouts.counts["narrowed"] += 1
+            pread_into(f.fd, raw.numpy(), base + lo, path=f.path, key=name)
+        else:
+            f.read_range(chunk.key, lo, raw.numpy(), sums=sums, name=name, worker=self._hasher)
+        nbytes = math.prod(sizes) * t.itemsize
+        self._bytes_read += nbytes
+        self._overread += hi - lo - nbytes
+        width = t.itemsize
+        span = sum((n - 1) * st for n, st in zip(sizes, strides, strict=True)) + width
+        return raw[start:start + span].view(dtype).as_strided(sizes, tuple(st // width for st in strides))
 
     def check_chunk(self, name: str, chunk: ChunkMeta) -> None:
         """Check a saved chunk without reading its data, before anything is written: its file

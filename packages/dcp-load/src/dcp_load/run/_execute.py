@@ -27,7 +27,8 @@ from typing import Any
 
 from ..layouts._targets import Target
 from ..plan._items import GlobalPlan, ReadItem
-from ._stage import Scratch, read_staged
+from ..plan._read_cost import ReadCost, choose, read_cost_of
+from ._stage import StagingPool, can_cover, covering_geometry, read_covering, read_staged, saved_box
 
 __all__ = ["ExecuteStats", "execute"]
 
@@ -51,7 +52,8 @@ class ExecuteStats:
 class _ReadAhead(threading.Thread):
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
-                 on_read: Callable[[int], None] | None = None, positions: Sequence[int] | None = None):
+                 on_read: Callable[[int], None] | None = None, positions: Sequence[int] | None = None,
+                 pool: StagingPool | None = None):
         super().__init__(name="dcp-load-read-ahead", daemon=True)
         # the plan positions of ``reads`` (default 0, 1, ...): several threads may share a plan
         self.positions = range(len(reads)) if positions is None else positions
@@ -62,7 +64,11 @@ class _ReadAhead(threading.Thread):
         self.errors: list[str] = []
         self.done = 0
         self.seconds = 0.0
-        self.scratch = Scratch()  # staging for casts and strided destinations, bounded
+        # staging for casts, strided destinations and covering reads: the load's pool, shared
+        # by its reading threads (each holds one buffer at a time), or one of its own
+        self.own_pool = pool is None
+        self.pool = StagingPool(buffers=1) if pool is None else pool
+        self.cost = read_cost_of(reader)
 
     def run(self) -> None:
         start = time.perf_counter()
@@ -78,7 +84,7 @@ class _ReadAhead(threading.Thread):
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
                     saved = _saved_dtype(self.reader, item.name, chunk, tensors)
-                    _read_piece(self.reader, item, chunk, target, dest, saved, self.scratch)
+                    _read_piece(self.reader, item, chunk, target, dest, saved, self.pool, self.cost)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -98,7 +104,8 @@ class _ReadAhead(threading.Thread):
             for position, event in self.events.items():
                 if failed or position in self.positions:
                     event.set()
-            self.scratch.close()
+            if self.own_pool:
+                self.pool.close()
             self.seconds = time.perf_counter() - start
 
 
@@ -122,9 +129,9 @@ class _ReadAheads:
 
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
-                 on_read: Callable[[int], None] | None, n: int):
+                 on_read: Callable[[int], None] | None, n: int, pool: StagingPool | None = None):
         self.readers = [reader] + [reader.sibling() for _ in range(n - 1)]
-        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n))
+        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n), pool)
                         for k, r in enumerate(self.readers)]
 
     def start(self) -> None:
@@ -176,23 +183,46 @@ def _saved_dtype(reader: Any, name: str, chunk: Any, tensors: Mapping[str, Any])
 
 
 def _read_piece(reader: Any, item: ReadItem, chunk: Any, target: Target, dest: Any, saved_dtype: str,
-                scratch: Scratch | None = None) -> None:
-    """Read one piece into ``dest``. A contiguous torch destination of the saved dtype is
-    read in place (``CheckpointReader.read_into``: one copy instead of two); a cast or a
-    strided torch destination is staged in bounded pieces (``_stage.read_staged``); a
-    MindSpore destination goes through ``read`` and the adapter's copy. Block checksums are verified by the rank that fetches a box for its
+                pool: StagingPool | None = None, cost: ReadCost | None = None) -> None:
+    """Read one piece into ``dest``. A box that is not contiguous in its saved chunk may be
+    read as covering ranges through ``pool`` (``_covered``); a contiguous torch destination
+    of the saved dtype is read in place (``CheckpointReader.read_into``: one copy instead of
+    two); a cast or a strided torch destination is staged in bounded pieces
+    (``_stage.read_staged``); a MindSpore destination goes through ``read`` and the
+    adapter's copy. Block checksums are verified by the rank that fetches a box for its
     host, not again by the ranks that re-read it from that host's page cache."""
     verify = not item.cached  # a page-cache re-read: the fetching rank of this host verifies
-    if target.adapter.name == "torch" and target.dtype == saved_dtype and dest.is_contiguous():
+    torch_dest = target.adapter.name == "torch"
+    if torch_dest and pool is not None and cost is not None and _covered(reader, item, chunk, dest, saved_dtype,
+                                                                         pool, cost, verify):
+        return
+    if torch_dest and target.dtype == saved_dtype and dest.is_contiguous():
         reader.read_into(item.name, chunk, item.offsets, item.sizes, dest, verify=verify)
         return
-    if target.adapter.name == "torch" and scratch is not None:
+    if torch_dest and pool is not None:
         # a cast or a strided destination: staged in bounded pieces, never the whole box
-        read_staged(reader, item, chunk, dest, saved_dtype, target.dtype == saved_dtype, scratch, verify)
+        read_staged(reader, item, chunk, dest, saved_dtype, target.dtype == saved_dtype, pool, verify)
         return
     data = reader.read(item.name, chunk, item.offsets, item.sizes, framework=target.adapter.read_framework,
                        verify=verify)
     target.adapter.copy(dest, data)
+
+
+def _covered(reader: Any, item: ReadItem, chunk: Any, dest: Any, saved_dtype: str, pool: StagingPool,
+             cost: ReadCost, verify: bool) -> bool:
+    """Read the box as covering ranges when the read cost model (``plan._read_cost``) says
+    that beats its exact runs; False (nothing read) when it does not, or when the reader
+    cannot."""
+    import torch
+
+    inner, name, saved, offsets, sizes, out = saved_box(reader, item.name, chunk, item.offsets, item.sizes, dest)
+    if not can_cover(inner):
+        return False
+    itemsize = getattr(torch, saved_dtype).itemsize
+    choice = choose(covering_geometry(saved, offsets, sizes, itemsize), cost, pool.buffer_bytes)
+    if not choice.covering:
+        return False
+    return read_covering(inner, name, saved, offsets, sizes, out, choice, itemsize, pool, verify)
 
 
 @dataclass
@@ -266,7 +296,7 @@ def split_reads(reads: Sequence[ReadItem], parts: int) -> list[list[ReadItem]]:
 
 
 def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target], threads: int,
-                      on_read: Callable[[int], None] | None) -> ExecuteStats:
+                      on_read: Callable[[int], None] | None, pool: StagingPool | None = None) -> ExecuteStats:
     """Every read of a rank with no broadcasts, on ``threads`` threads, each with its own
     reader (``CheckpointReader.sibling``: a reader serves one thread at a time)."""
     lock = threading.Lock()
@@ -278,7 +308,7 @@ def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[s
 
     readers = [reader] + [reader.sibling() for _ in range(threads - 1)]
     before = [r.bytes_read for r in readers]
-    workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None)
+    workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None, pool=pool)
                for r, part in zip(readers, split_reads(reads, threads), strict=True)]
     try:
         for w in workers:
@@ -353,18 +383,31 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     reads = plan.reads_for(rank)
     remote = remote_readers(reader, reads)
     threads = 1 if plan.broadcasts or not hasattr(reader, "sibling") else max(remote, read_threads(reads, targets))
-    if threads > 1:
-        stats = _read_in_parallel(reader, reads, targets, threads, on_read)
-        platform.synchronize()
-        give_back_memory()
-        return stats
+    # one staging buffer per reading thread at most, reused by all of this load's pieces
+    pool = StagingPool(buffers=max(threads, remote))
+    try:
+        if threads > 1:
+            stats = _read_in_parallel(reader, reads, targets, threads, on_read, pool)
+            platform.synchronize()
+            give_back_memory()
+            return stats
+        return _execute_scheduled(platform, reader, plan, rank, targets, reads, remote, pool, batch_bytes=batch_bytes,
+                                  groups=groups, watch=watch, on_read=on_read)
+    finally:
+        pool.close()
+
+
+def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target],
+                       reads: Sequence[ReadItem], remote: int, pool: StagingPool, *, batch_bytes: int, groups: Any,
+                       watch: Any, on_read: Callable[[int], None] | None) -> ExecuteStats:
+    """``execute`` with the read-ahead thread(s) feeding the broadcasts of ``plan``."""
     sched = _Schedule.of(platform, plan, rank, targets)
     assert all(r.reader == rank for r in reads[:len(sched.events)])
     items, events, by_item, staged, staged_at = (sched.items, sched.events, sched.by_item, sched.staged,
                                                  sched.staged_at)
 
     before = reader.bytes_read
-    thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote)
+    thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote, pool)
     thread.start()
     broadcasts = sent = received = 0
     t0 = time.perf_counter()

@@ -194,6 +194,31 @@ class SafetensorsFile:
             pread_into(self._fd, out, self.header.data_start + e.start + box.lo, path=self.path, key=key)
         return True
 
+    def covering(self, key: str, slices: tuple[slice, ...], itemsize: int, sums: BlockSums | None
+                 ) -> tuple[int, int, _Box, BlockSums | None]:
+        """(lo, hi, box, sums): the byte range [lo, hi) of ``key``'s data that covers the box,
+        widened to whole checksum blocks while ``sums`` has blocks of it still to verify
+        (``sums`` None when none are left)."""
+        e = self.header.entries[key]
+        box = _Box(e.shape, itemsize, slices)
+        if sums is not None and sums.done(box.lo, box.hi):
+            sums = None
+        if sums is not None and box.nbytes:
+            lo, hi = sums.span(box.lo, box.hi, e.end - e.start)
+            return lo, hi, box, sums
+        return box.lo, box.hi, box, sums
+
+    def read_range(self, key: str, lo: int, out: Any, *, sums: BlockSums | None, name: str | None = None,
+                   worker: HashWorker | None = None) -> None:
+        """Fill ``out`` (a writable uint8 buffer) with ``key``'s data bytes from ``lo`` (the
+        ``lo`` of ``covering``), verifying the blocks with ``sums`` when given."""
+        e = self.header.entries[key]
+        at = self.header.data_start + e.start + lo
+        if sums is not None:
+            read_verified(self._fd, out, at, lo, sums, worker=worker, path=self.path, key=key, name=name or key)
+        else:
+            pread_into(self._fd, out, at, path=self.path, key=key)
+
     def verify_entry(self, key: str, sums: BlockSums, *, name: str, window_blocks: int = 16,
                      worker: HashWorker | None = None) -> int:
         """Verify every block of ``key`` (ChecksumError at the first bad one), reading
