@@ -18,7 +18,7 @@ from ..layouts._state import Chunk, Flat, flatten_state_dict, is_tensor
 from ..layouts._target_for import target_for
 from ..layouts._targets import Target, in_mesh, is_dtensor
 
-__all__ = ["Entry", "Side", "build_targets", "entries", "signature", "side_of", "with_locals"]
+__all__ = ["Entry", "Side", "build_targets", "entries", "pointers", "signature", "side_of", "with_locals"]
 
 #: (name, global shape, dtype, ((offsets, sizes), ...)): one tensor entry of one rank
 Entry = tuple[str, tuple[int, ...], str, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
@@ -99,7 +99,9 @@ def _local_of(value: Any) -> Any:
     if isinstance(value, (Chunk, Flat)):
         value = value.tensor
     elif is_dtensor(value):
-        value = value.to_local()
+        # the local shard itself (what ``to_local`` returns, without its autograd call:
+        # ~0.1 ms each, measured 2,000 DTensors per call on the development machine)
+        value = value._local_tensor if hasattr(value, "_local_tensor") else value.to_local()
     return value.detach() if type(value).__module__.startswith("torch") else value
 
 
@@ -124,7 +126,7 @@ def signature(side: Side) -> tuple[Any, ...]:
             t = v.tensor
             extra = ("chunk", tuple(v.global_shape), tuple(v.offsets))
         elif is_dtensor(v):
-            t = v.to_local()
+            t = _local_of(v)
             extra = ("dtensor", tuple(v.shape), _mesh_key(v.device_mesh, meshes), tuple(map(repr, v.placements)))
         else:
             t = v
@@ -141,6 +143,19 @@ def with_locals(side: Side, cached: Mapping[str, Target]) -> dict[str, Target]:
     for leaf in side.leaves:
         old = cached.get(leaf.name)
         if old is not None:
-            out[leaf.name] = dataclasses.replace(old, local=_local_of(leaf.value))
+            local = _local_of(leaf.value)
+            # the same memory (the old target's views keep its storage alive, so an equal
+            # address is the same storage): the old target serves as it is
+            out[leaf.name] = old if _ptr(local) == _ptr(old.local) else dataclasses.replace(old, local=local)
     return out
+
+
+def _ptr(tensor: Any) -> Any:
+    ptr = getattr(tensor, "data_ptr", None)
+    return ptr() if ptr is not None else id(tensor)
+
+
+def pointers(targets: Mapping[str, Target]) -> tuple[Any, ...]:
+    """Where each target's tensor lives now: views made of them stay valid while these do."""
+    return tuple(_ptr(t.local) for t in targets.values())
 

@@ -11,7 +11,7 @@ that staging (``_planner._rounds``).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..layouts._targets import Target
 from ..plan._owners import dtype_itemsize
 from ._planner import TransferPiece, TransferPlan
 
-__all__ = ["MoveStats", "mine", "move"]
+__all__ = ["MoveStats", "lazily", "mine", "move", "prepare"]
 
 
 @dataclass
@@ -53,12 +53,16 @@ def _contiguous(tensor: Any) -> bool:
 
 
 class _Round:
-    """The broadcast items of one round on this rank, and the copies to make after it."""
+    """One round on this rank, prepared once and runnable again while the tensors stay:
+    the copies to make before it (a holder's own pieces, staging of casts and of strided
+    sources), its broadcast items, and the copies to make after it (received staging)."""
 
-    def __init__(self, platform: Any, rank: int, batch_bytes: int, stats: MoveStats):
-        self.platform, self.rank, self.batch_bytes, self.stats = platform, rank, batch_bytes, stats
+    def __init__(self, platform: Any, rank: int, batch_bytes: int):
+        self.platform, self.rank, self.batch_bytes = platform, rank, batch_bytes
+        self.before: list[tuple[Target, Any, Any]] = []  # (target whose adapter copies, into, from)
         self.items: list[Any] = []
-        self.after: list[tuple[Target, Any, Any]] = []  # (target, destination view, staging)
+        self.after: list[tuple[Target, Any, Any]] = []
+        self.pieces = self.copied = 0
 
     def _staging(self, piece: TransferPiece) -> Any:
         return self.platform.empty(piece.sizes, self.platform.dtype_from_name(piece.wire))
@@ -69,20 +73,20 @@ class _Round:
         if self.rank not in piece.ranks:
             self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes))
             return
-        self.stats.pieces += 1
+        self.pieces += 1
         if self.rank == piece.holder:
             source = src[piece.src]
             view = _src_view(source, piece)
             if self.rank in piece.receivers:  # a holder that needs the piece copies it
                 target = dst[piece.dst]
-                target.adapter.copy(target.view(piece.offsets, piece.sizes), view)
-                self.stats.bytes_copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
+                self.before.append((target, target.view(piece.offsets, piece.sizes), view))
+                self.copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
             if len(piece.ranks) == 1:
                 return
             tensor = view
             if piece.wire != piece.src_dtype or (piece.nbytes >= self.batch_bytes and not _contiguous(view)):
                 tensor = self._staging(piece)
-                source.adapter.copy(tensor, view)
+                self.before.append((source, tensor, view))
             self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes, tensor))
             return
         target = dst[piece.dst]
@@ -93,15 +97,19 @@ class _Round:
             self.after.append((target, view, tensor))
         self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes, tensor))
 
-    def run(self, groups: Any, max_in_flight: int, watch: Any) -> None:
+    def run(self, groups: Any, max_in_flight: int, watch: Any, stats: MoveStats) -> None:
+        for target, into, source in self.before:
+            target.adapter.copy(into, source)
+        stats.pieces += self.pieces
+        stats.bytes_copied += self.copied
         if self.items:
             from dcp_broadcast import broadcast_items
 
             got = broadcast_items(self.platform, self.items, batch_bytes=self.batch_bytes,
                                   max_in_flight=max_in_flight, groups=groups, watch=watch)
-            self.stats.broadcasts += got.broadcasts
-            self.stats.bytes_sent += got.bytes_sent
-            self.stats.bytes_received += got.bytes_received
+            stats.broadcasts += got.broadcasts
+            stats.bytes_sent += got.bytes_sent
+            stats.bytes_received += got.bytes_received
         if self.after:
             self.platform.synchronize()
             for target, view, staging in self.after:
@@ -115,18 +123,35 @@ def _numel(sizes: Sequence[int]) -> int:
     return n
 
 
-def move(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
-         dst: Mapping[str, Target], *, batch_bytes: int, max_in_flight: int, groups: Any,
-         watch: Any) -> MoveStats:
-    """Copy and broadcast this rank's pieces, round by round (``rounds``: from ``mine``)."""
-    stats = MoveStats()
-    start = time.perf_counter()
+def prepare(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
+            dst: Mapping[str, Target], *, batch_bytes: int) -> list[_Round]:
+    """This rank's rounds (``rounds``: from ``mine``) over these targets' tensors. Each holds
+    views of them and its staging (cast and lone strided pieces only, bounded per round by
+    the plan): kept while the tensors stay, so that a reused plan builds nothing."""
     rank = platform.rank()
+    out = []
     for pieces in rounds:
-        step = _Round(platform, rank, batch_bytes, stats)
+        step = _Round(platform, rank, batch_bytes)
         for piece in pieces:
             step.add(piece, src, dst)
-        step.run(groups, max_in_flight, watch)
+        out.append(step)
+    return out
+
+
+def lazily(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
+           dst: Mapping[str, Target], *, batch_bytes: int) -> Iterator[_Round]:
+    """``prepare``, one round at a time: a round's staging is freed before the next's exists."""
+    for pieces in rounds:
+        yield from prepare(platform, [pieces], src, dst, batch_bytes=batch_bytes)
+
+
+def move(platform: Any, prepared: Iterable[_Round], *, max_in_flight: int, groups: Any, watch: Any) -> MoveStats:
+    """Copy and broadcast this rank's pieces, round by round (``prepared``: from ``prepare``
+    or ``lazily``)."""
+    stats = MoveStats()
+    start = time.perf_counter()
+    for step in prepared:
+        step.run(groups, max_in_flight, watch, stats)
     platform.synchronize()
     stats.seconds = time.perf_counter() - start
     return stats

@@ -27,8 +27,8 @@ from ..layouts._targets import Target
 from ..plan._digest import all_reduce, digest
 from ..run._coordinate import Coordinator, timeout_seconds, unusable_cause
 from ..run._validate import exchange
-from ._layout import Side, build_targets, entries, side_of, signature, with_locals
-from ._move import MoveStats, mine, move
+from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
+from ._move import MoveStats, lazily, mine, move, prepare
 from ._planner import TransferPlan, plan_transfer
 
 __all__ = ["TransferReport", "transfer"]
@@ -95,6 +95,8 @@ class _Entry:
     world: Any
     outside: tuple[str, ...]
     sets: list[tuple[int, ...]]
+    prepared: Any = None  # this rank's prepared rounds (one round only), for the tensors at ``pointers``
+    pointers: Any = None
 
 
 _PLANS: OrderedDict[int, _Entry] = OrderedDict()
@@ -254,12 +256,26 @@ def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str,
     try:
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
-        return move(platform, entry.rounds, src, dst, batch_bytes=batch_bytes, max_in_flight=max_in_flight,
+        return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
                     groups=entry.groups, watch=coord.waiter)
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:
         raise LoadError({platform.rank(): [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+
+
+def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapping[str, Target],
+              batch_bytes: int) -> Any:
+    """The rounds to run. A plan of one round keeps its items (views, staging) while the
+    tensors stay where they were: building 3,000 broadcast items took ~0.6 s of a reused
+    transfer of 2,000 small tensors (profiled, 2-core development machine). Several rounds
+    are built one at a time, so that only one round's staging exists at once."""
+    if len(entry.rounds) != 1:
+        return lazily(platform, entry.rounds, src, dst, batch_bytes=batch_bytes)
+    where = (pointers(src), pointers(dst))
+    if entry.prepared is None or entry.pointers != where:
+        entry.prepared, entry.pointers = prepare(platform, entry.rounds, src, dst, batch_bytes=batch_bytes), where
+    return entry.prepared
 
 
 def _keep(key: int, entry: _Entry) -> None:
