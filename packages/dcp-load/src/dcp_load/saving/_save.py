@@ -160,8 +160,12 @@ def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: boo
         raise ValueError(f"{what}: checkpoint_id= (the directory to write) is required")
     if timeout is not None:
         timeout_seconds(timeout, what)  # refuse a bad value before anything else
+    from dcp_reader.storage import real_root
+
     path = os.fspath(checkpoint_id)
-    path = os.path.abspath(path) if local_storage(path) else path  # else s3://bucket/prefix: an object store
+    # else s3://bucket/prefix, spelled one way on every rank (no trailing slash), as a local
+    # path is made absolute: ranks that write "s3://b/ck/" and "s3://b/ck" name one prefix
+    path = os.path.abspath(path) if local_storage(path) else real_root(path)
     leaves = flatten_state_dict(state_dict)
     platform = resolve_platform(platform, leaves)
     wait_s = timeout_seconds(timeout, what, platform)
@@ -419,5 +423,9 @@ def commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
         new = {c.file for t in metadata.tensors.values() for c in t.chunks}
         writer.discard(sorted(new | {v.file for v in metadata.values.values() if v.file is not None}))
         return
-    lock.committed()
-    writer.remove_stray(metadata)
+    try:  # committed: what follows only tidies up, and must not make this rank's outcome differ
+        lock.committed()
+        writer.remove_stray(metadata)
+    except Exception as exc:  # noqa: BLE001 - the new checkpoint loads; a leftover only costs space
+        logger.warning("%s is committed, but removing the leftovers of earlier saves failed: %s: %s",
+                       writer.path, type(exc).__name__, exc)
