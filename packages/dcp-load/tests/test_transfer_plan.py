@@ -132,3 +132,14 @@ def test_large_pieces_are_cut_into_slabs_and_rounds_bound_staging():
     assert all(p.nbytes <= 512 for p in plan.pieces) and sum(p.nbytes for p in plan.pieces) == 64 * 16 * 4
     for a, b in plan.rounds:  # cast pieces are staged: each round's staging within the bound
         assert sum(p.nbytes for p in plan.pieces[a:b]) <= 1024
+
+
+def test_transfer_stays_the_function_after_its_modules_are_imported():
+    import importlib
+
+    import dcp_load
+
+    importlib.import_module("dcp_load.transfer._move")
+    importlib.import_module("dcp_load.transfer._layout")
+    assert callable(dcp_load.transfer) and dcp_load.transfer.__module__ == "dcp_load.transfer._transfer"
+    assert "transfer" in dcp_load.__all__ and "TransferReport" in dcp_load.__all__
