@@ -26,6 +26,12 @@ MB = 1e6
 # took 0.84 s.
 GLOO_BATCH_BYTES = 64 * 1024
 HIDDEN, FFN, VOCAB, LAYERS = 512, 1536, 16001, 24
+#: --modes name -> (the heading printed, broadcast_replicated_tensors)
+MODES: dict[str, tuple[str, Any]] = {
+    "broadcast": ("read once + broadcast (broadcast_replicated_tensors=True)", True),
+    "every-rank": ("every rank reads (broadcast_replicated_tensors=False)", False),
+    "auto": ('default "auto": all ranks on one host, so each re-reads from the shared page cache', "auto"),
+}
 
 
 def _specs() -> dict[str, tuple[tuple[int, ...], str, str]]:
@@ -85,8 +91,8 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _rank_main(rank: int, world: int, path: str, batch_bytes: int) -> dict[str, Any]:
-    """Runs in each of the 4 ranks: poison DTensors, load twice, verify, report."""
+def _rank_main(rank: int, world: int, path: str, batch_bytes: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    """Runs in each of the 4 ranks: poison DTensors, load once per mode (in ``modes``' order), verify, report."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -104,10 +110,8 @@ def _rank_main(rank: int, world: int, path: str, batch_bytes: int) -> dict[str, 
     for broadcast in (True, False):
         dcp_load.load(warm, checkpoint_id=path, strict=False, broadcast_replicated_tensors=broadcast)
     out: dict[str, Any] = {}
-    modes = (("read once + broadcast (broadcast_replicated_tensors=True)", True),
-             ("every rank reads (broadcast_replicated_tensors=False)", False),
-             ('default "auto": all ranks on one host, so each re-reads from the shared page cache', "auto"))
-    for mode, broadcast in modes:
+    for name in modes:
+        mode, broadcast = MODES[name]
         state: dict[str, Any] = {}
         boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for name, (shape, dtype, code) in _specs().items():
@@ -135,11 +139,23 @@ def _rank_main(rank: int, world: int, path: str, batch_bytes: int) -> dict[str, 
     return out
 
 
+def _modes(text: str) -> tuple[str, ...]:
+    names = tuple(filter(None, (n.strip() for n in text.split(","))))
+    bad = [n for n in names if n not in MODES]
+    if bad or not names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"--modes {text!r}: give each of {', '.join(MODES)} at most once, "
+                                         "comma-separated" + (f" (unknown: {', '.join(bad)})" if bad else ""))
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dcp demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     parser.add_argument("--batch-bytes", type=int, default=GLOO_BATCH_BYTES,
                         help=f"broadcast_batch_bytes for the broadcast mode (default {GLOO_BATCH_BYTES})")
+    parser.add_argument("--modes", default=",".join(MODES), type=_modes,
+                        help=f"the modes to run, in this order (default {','.join(MODES)}): the first one "
+                        "also finds the page cache as the save left it, so rotate the order to compare modes")
     args = parser.parse_args(argv)
 
     import torch
@@ -159,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print("loading on 4 gloo ranks as DP2 x TP2 DTensors (targets poisoned with 0x7F bytes), "
               f"broadcast_batch_bytes={args.batch_bytes}")
         t0 = time.perf_counter()
-        results = run_ranks(_rank_main, 4, path, args.batch_bytes, timeout=600)
+        results = run_ranks(_rank_main, 4, path, args.batch_bytes, args.modes, timeout=600)
         print(f"(4 ranks started, all loads run and verified in {time.perf_counter() - t0:.1f} s)")
         failed = False
         for mode in results[0]:

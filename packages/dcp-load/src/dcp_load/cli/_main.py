@@ -1,4 +1,4 @@
-"""The ``dcp`` command: ``dcp inspect PATH``, ``dcp verify PATH`` and ``dcp demo``."""
+"""The ``dcp`` command: ``dcp inspect PATH``, ``dcp verify PATH``, ``dcp plan``, ``dcp convert`` and ``dcp demo``."""
 
 from __future__ import annotations
 
@@ -117,12 +117,14 @@ def verify(path: str, *, out=None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp", description="Inspect and verify distributed checkpoints; run the demo.")
+    parser = argparse.ArgumentParser(
+        prog="dcp", description="Inspect, verify, plan the load of and convert distributed checkpoints; run the demo. "
+        "Every checkpoint path may be a directory or an object-store URI (s3://bucket/prefix; gs://, az://).")
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="format, tensors, shapes, dtypes, chunks and bytes of a checkpoint")
-    p.add_argument("path", help="checkpoint directory (native, Hugging Face safetensors, torch DCP or "
-                   "hyper-parallel)")
+    p.add_argument("path", help="checkpoint directory or s3://bucket/prefix (native, Hugging Face safetensors, "
+                   "torch DCP or hyper-parallel)")
     p.add_argument("--chunks", action="store_true", help="also list every saved chunk")
     p.add_argument("--allow-pickle", action="store_true",
                    help="also show values that only unpickling can read, which runs code from the "
@@ -137,10 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_convert(sub)
     v = sub.add_parser("verify", help="check a checkpoint: structure, file sizes, coverage, block and value checksums "
                                       "(exit 0 ok, 1 problems found, 2 unreadable)")
-    v.add_argument("path", help="checkpoint directory")
+    v.add_argument("path", help="checkpoint directory or s3://bucket/prefix")
     d = sub.add_parser("demo", help="write a ~256 MB checkpoint and load it on 4 local gloo ranks")
     d.add_argument("--keep", metavar="DIR", help="write the checkpoint into DIR and keep it")
     d.add_argument("--batch-bytes", type=int, help="broadcast_batch_bytes for the broadcast mode")
+    d.add_argument("--modes", help="the modes to run, in this order (default broadcast,every-rank,auto)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -161,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra = ["--keep", args.keep] if args.keep else []
             if args.batch_bytes is not None:
                 extra += ["--batch-bytes", str(args.batch_bytes)]
+            if args.modes is not None:
+                extra += ["--modes", args.modes]
             code = demo_main(extra)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
     except BrokenPipeError:
