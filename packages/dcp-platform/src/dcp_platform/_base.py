@@ -193,5 +193,15 @@ class Platform(abc.ABC):
     def synchronize(self) -> None:
         """Wait for all work queued on the current device stream (a real sync on GPU/NPU)."""
 
+    # -- host <-> accelerator copies ------------------------------------------------------
+    def device_copies(self, device: Any) -> Any:
+        """The copy engine (``dcp_platform._device.DeviceCopies``: pinned host buffers, a
+        copy stream, events) for tensors on ``device``, or ``None``: ``device`` is the host,
+        or this backend has no pinned memory or streams there. ``None`` means the plain
+        path: ``Tensor.copy_`` through pageable memory, as before. The default (MindSpore,
+        which keeps its own host-device path) is ``None``."""
+        del device
+        return None
+
     def _unsupported(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"the {self.name!r} platform does not support {what}")

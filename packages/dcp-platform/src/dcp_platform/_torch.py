@@ -362,6 +362,18 @@ class TorchPlatform(Platform):
             raise ValueError(f"unknown dtype {name!r} for the {self.name!r} platform")
         return dtype
 
+    def device_copies(self, device: Any) -> Any:
+        """``DeviceCopies`` through ``torch.get_device_module(device)`` (CUDA, NPU, XPU),
+        one per device and platform object; ``None`` for the host or where pinned memory
+        cannot be allocated (``Platform.device_copies``)."""
+        from ._device import torch_device_copies
+
+        key = str(torch.device(device))
+        cache = self.__dict__.setdefault("_copies", {})
+        if key not in cache:
+            cache[key] = torch_device_copies(device)
+        return cache[key]
+
     def synchronize(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)

@@ -31,7 +31,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["RankDied", "RanksFailed", "add_preload", "run_mindspore_workers", "run_ranks"]
+from .fake_accelerator import FakeAccelerator
+
+__all__ = ["FakeAccelerator", "RankDied", "RanksFailed", "add_preload", "run_mindspore_workers", "run_ranks"]
 
 _CTX: Any = None
 
