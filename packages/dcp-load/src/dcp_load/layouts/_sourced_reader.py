@@ -242,15 +242,7 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
     is a mistake (``_unmatched``)."""
     saved = reader.metadata.tensors
     virtual = virtual_tensors(source_map, saved)
-    errors: list[str] = []
-    for name in values:
-        try:
-            found = source_map.match(name) is not None
-        except ValueError:  # two entries match it: refused below all the same
-            found = True
-        if found:
-            errors.append(f"sources= matches {name!r}, a non-tensor value of the state dict; sources= maps "
-                          "tensors only: make the key not match it (values load from their own names)")
+    errors = _value_errors(source_map, values)
     keep: list[Target] = []
     composed: list[tuple[str, int]] = []
     cast: list[str] = []
@@ -297,6 +289,20 @@ def apply_sources(reader: Any, targets: Sequence[Target], source_map: SourceMap,
                        "values: %s", len(missing), ", ".join(repr(n) for n in missing[:5]))
     return Applied(errors, SourcedReader(reader, SourcedMetadata(reader.metadata, virtual)), keep, composed, cast,
                    missing, tied)
+
+
+def _value_errors(source_map: SourceMap, values: Sequence[str]) -> list[str]:
+    """A non-tensor value of the state dict that an entry matches is refused."""
+    errors = []
+    for name in values:
+        try:
+            found = source_map.match(name) is not None
+        except ValueError:  # two entries match it: refused all the same
+            found = True
+        if found:
+            errors.append(f"sources= matches {name!r}, a non-tensor value of the state dict; sources= maps "
+                          "tensors only: make the key not match it (values load from their own names)")
+    return errors
 
 
 def _unmatched(source_map: SourceMap, matched: set[str], names: Sequence[str], lost: Sequence[str],
