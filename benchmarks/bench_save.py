@@ -5,7 +5,8 @@ State: ``--size`` MiB of fp32 in all, a third parameters and two thirds AdamW mo
 (``exp_avg``, ``exp_avg_sq``; a 0-dim ``step`` each), as DTensors in two layouts:
 DP2 x TP2 ([Replicate, Shard(0)] over ("dp", "tp"): every box held by 2 ranks) and FSDP4
 ([Shard(0)] over 4 ranks). Each repeat runs every saver once, in an order that rotates from
-one repeat to the next (alternating), each into its own new directory; a time is the
+one repeat to the next (alternating), after one warm-up round that is not counted, each
+into its own new directory; a time is the
 slowest rank's (each rank times its own call between two barriers); the table gives the
 median over repeats. For the async savers: the time the call blocked, and the time to the
 future's result. Beside them: a memcpy of the bytes the rank writes (into a warm buffer),
@@ -145,7 +146,7 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
         sd = _state(layout, size_mib)
         res: dict[str, Any] = {"held": _local_bytes(sd), "times": {k: [] for k in savers}, "info": {}}
         names = list(savers)
-        for rep in range(repeats):
+        for rep in range(-1, repeats):  # -1: a warm-up round, not counted (first-call costs, a cold pool)
             for k in names[rep % len(names):] + names[:rep % len(names)]:
                 d = os.path.join(root, f"{layout}-{k.replace(' ', '-')}-{rep}")
                 dist.barrier()
@@ -155,8 +156,9 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
                     blocked = done = float("nan")
                     info = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
                 dist.barrier()
-                res["times"][k].append((blocked, done))
-                res["info"].setdefault(k, info)
+                if rep >= 0:
+                    res["times"][k].append((blocked, done))
+                    res["info"].setdefault(k, info)
         res["memcpy"] = _memcpy(res["info"]["dcp save"].get("written", 0)) if "dcp save" in savers else None
         out[layout] = res
     out["six"] = _six_in_a_row(root, size_mib)
