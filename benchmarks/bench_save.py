@@ -11,7 +11,7 @@ slowest rank's (each rank times its own call between two barriers); the table gi
 median over repeats. For the async savers: the time the call blocked, and the time to the
 future's result. Beside them: a memcpy of the bytes the rank writes (into a warm buffer),
 the memory each async saver holds at return (dcp: its staging pool; torch: the growth of
-RSS over its call, at its first call), and dcp's six async saves in a row (RSS growth from
+RSS over its first counted call), and dcp's six async saves in a row (RSS growth from
 the first, threads left).
 
     python benchmarks/bench_save.py --size 256 --repeats 3
