@@ -115,3 +115,16 @@ def s3_mesh_cases(rank: int, world: int, uris: dict[str, str], save_uri: str, ba
 
     run_case(results, "one_rank_refused", one_rank_refused)
     return results
+
+
+def s3_save_outcome(rank: int, world: int, uri: str, seed: float) -> str:
+    """Save two tensors (each rank writes one) into ``uri``; "ok" or the error's type and text."""
+    import dcp_load
+    import torch
+
+    state = {"a": torch.arange(4096, dtype=torch.float32) + seed, "b": torch.full((4096,), seed)}
+    try:
+        report = dcp_load.save(state, checkpoint_id=uri, timeout=120)
+    except Exception as e:  # noqa: BLE001 - the outcome is what the test compares across ranks
+        return f"{type(e).__name__}: {e}"
+    return "ok" if report.chunks_written == 1 else f"ok, but this rank wrote {report.chunks_written} chunk(s)"

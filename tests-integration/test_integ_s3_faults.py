@@ -385,3 +385,24 @@ def test_a_store_without_conditional_writes_is_named_and_can_be_told_to_skip_the
     finally:
         proxy.faults.kind, proxy.faults.select = None, s3_server.is_ranged_get
     _loads_exactly(uri, _values(1.0))
+
+
+def test_deletes_denied_after_a_2_rank_commit_leave_every_rank_successful(proxy):
+    """The multi-rank form of the warning above: both ranks' save returns (before, rank 0
+    raised StorageAuthError and rank 1 LoadError for a committed save)."""
+    import dcp_load
+    import integ_s3_cases as cases
+    from dcp_platform.testing import run_ranks
+
+    uri = f"s3://{BUCKET}/nodelete-2"
+    run_env = {**s3_server.s3_env(proxy.endpoint), **FAST_FAIL}
+    assert run_ranks(cases.s3_save_outcome, 2, uri, 1.0, env=run_env, timeout=300) == ["ok", "ok"]
+    proxy.faults.kind, proxy.faults.count, proxy.faults.select = "denied", -1, s3_server.is_delete
+    try:
+        outcome = run_ranks(cases.s3_save_outcome, 2, uri, 2.0, env=run_env, timeout=300)
+    finally:
+        proxy.faults.kind, proxy.faults.select = None, s3_server.is_ranged_get
+    assert proxy.faults.injected >= 1 and outcome == ["ok", "ok"], outcome
+    dst = {"a": torch.full((4096,), float("nan")), "b": torch.full((4096,), float("nan"))}
+    dcp_load.load(dst, checkpoint_id=uri, no_dist=True)
+    assert torch.equal(dst["a"], torch.arange(4096, dtype=torch.float32) + 2) and bool((dst["b"] == 2).all())
