@@ -28,6 +28,7 @@ from typing import Any
 from ..layouts._targets import Target
 from ..plan._items import GlobalPlan, ReadItem
 from ..plan._read_cost import ReadCost, choose, read_cost_of
+from ._device import DeviceLoad
 from ._stage import StagingPool, can_cover, covering_geometry, read_covering, read_staged, saved_box
 
 __all__ = ["ExecuteStats", "execute"]
@@ -53,8 +54,9 @@ class _ReadAhead(threading.Thread):
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
                  on_read: Callable[[int], None] | None = None, positions: Sequence[int] | None = None,
-                 pool: StagingPool | None = None):
+                 pool: StagingPool | None = None, device: DeviceLoad | None = None):
         super().__init__(name="dcp-load-read-ahead", daemon=True)
+        self.device = device  # the copy engines of device destinations (``_device``), or None
         # the plan positions of ``reads`` (default 0, 1, ...): several threads may share a plan
         self.positions = range(len(reads)) if positions is None else positions
         self.on_read = on_read  # told each piece's bytes once it is in place (progress)
@@ -70,6 +72,14 @@ class _ReadAhead(threading.Thread):
         self.pool = StagingPool(buffers=1) if pool is None else pool
         self.cost = read_cost_of(reader)
 
+    def _on_device(self, engine: Any, item: ReadItem, chunk: Any, dest: Any, saved: str, position: int) -> None:
+        """Read a piece into device memory through pinned buffers; a piece feeding a
+        broadcast orders the broadcasting stream after its copies."""
+        assert self.device is not None
+        copied = self.device.read(engine, self.reader, item, chunk, dest, saved, not item.cached)
+        if position in self.events:
+            self.device.publish(engine, copied)
+
     def run(self) -> None:
         start = time.perf_counter()
         tensors = self.reader.metadata.tensors
@@ -84,7 +94,11 @@ class _ReadAhead(threading.Thread):
                     if dest is None:
                         dest = target.view(item.offsets, item.sizes)
                     saved = _saved_dtype(self.reader, item.name, chunk, tensors)
-                    _read_piece(self.reader, item, chunk, target, dest, saved, self.pool, self.cost)
+                    engine = None if self.device is None else self.device.engine_for(dest)
+                    if engine is None or target.adapter.name != "torch":
+                        _read_piece(self.reader, item, chunk, target, dest, saved, self.pool, self.cost)
+                    else:
+                        self._on_device(engine, item, chunk, dest, saved, position)
                     if self.on_read is not None:
                         self.on_read(item.nbytes)
                 except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
@@ -129,10 +143,11 @@ class _ReadAheads:
 
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
-                 on_read: Callable[[int], None] | None, n: int, pool: StagingPool | None = None):
+                 on_read: Callable[[int], None] | None, n: int, pool: StagingPool | None = None,
+                 device: DeviceLoad | None = None):
         self.readers = [reader] + [reader.sibling() for _ in range(n - 1)]
-        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n), pool)
-                        for k, r in enumerate(self.readers)]
+        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n), pool,
+                                   device) for k, r in enumerate(self.readers)]
 
     def start(self) -> None:
         for t in self.threads:
@@ -296,7 +311,8 @@ def split_reads(reads: Sequence[ReadItem], parts: int) -> list[list[ReadItem]]:
 
 
 def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target], threads: int,
-                      on_read: Callable[[int], None] | None, pool: StagingPool | None = None) -> ExecuteStats:
+                      on_read: Callable[[int], None] | None, pool: StagingPool | None = None,
+                      device: DeviceLoad | None = None) -> ExecuteStats:
     """Every read of a rank with no broadcasts, on ``threads`` threads, each with its own
     reader (``CheckpointReader.sibling``: a reader serves one thread at a time)."""
     lock = threading.Lock()
@@ -308,7 +324,7 @@ def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[s
 
     readers = [reader] + [reader.sibling() for _ in range(threads - 1)]
     before = [r.bytes_read for r in readers]
-    workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None, pool=pool)
+    workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None, pool=pool, device=device)
                for r, part in zip(readers, split_reads(reads, threads), strict=True)]
     try:
         for w in workers:
@@ -385,21 +401,30 @@ def execute(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Ma
     threads = 1 if plan.broadcasts or not hasattr(reader, "sibling") else max(remote, read_threads(reads, targets))
     # one staging buffer per reading thread at most, reused by all of this load's pieces
     pool = StagingPool(buffers=max(threads, remote))
+    device = DeviceLoad.of(platform, targets)
     try:
         if threads > 1:
-            stats = _read_in_parallel(reader, reads, targets, threads, on_read, pool)
+            stats = _read_in_parallel(reader, reads, targets, threads, on_read, pool, device)
+            _finish_copies(device)
             platform.synchronize()
             give_back_memory()
             return stats
         return _execute_scheduled(platform, reader, plan, rank, targets, reads, remote, pool, batch_bytes=batch_bytes,
-                                  groups=groups, watch=watch, on_read=on_read)
+                                  groups=groups, watch=watch, on_read=on_read, device=device)
     finally:
         pool.close()
 
 
+def _finish_copies(device: DeviceLoad | None) -> None:
+    """Wait once for the device copies of this load (none on the plain path)."""
+    if device is not None:
+        device.finish()
+
+
 def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, targets: Mapping[str, Target],
                        reads: Sequence[ReadItem], remote: int, pool: StagingPool, *, batch_bytes: int, groups: Any,
-                       watch: Any, on_read: Callable[[int], None] | None) -> ExecuteStats:
+                       watch: Any, on_read: Callable[[int], None] | None,
+                       device: DeviceLoad | None = None) -> ExecuteStats:
     """``execute`` with the read-ahead thread(s) feeding the broadcasts of ``plan``."""
     sched = _Schedule.of(platform, plan, rank, targets)
     assert all(r.reader == rank for r in reads[:len(sched.events)])
@@ -407,7 +432,7 @@ def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, 
                                                  sched.staged_at)
 
     before = reader.bytes_read
-    thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote, pool)
+    thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote, pool, device)
     thread.start()
     broadcasts = sent = received = 0
     t0 = time.perf_counter()
@@ -430,6 +455,7 @@ def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, 
     finally:
         bcast_s = time.perf_counter() - t0
         thread.join()
+    _finish_copies(device)
     platform.synchronize()
     for target, item, tensor in staged:
         target.adapter.copy(target.view(item.offsets, item.sizes), tensor)

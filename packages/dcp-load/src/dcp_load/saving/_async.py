@@ -101,7 +101,7 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
                         len(planned.tensors), sum(t.nbytes for t in planned.tensors.values()))
         try:
             t0 = time.perf_counter()
-            staged, nbytes = POOL.stage(box_data(planned))
+            staged, nbytes = POOL.stage(box_data(planned), platform)
             if planned.encoded is not None:  # the inline values are the caller's objects: copy them too
                 planned.encoded = dataclasses.replace(planned.encoded, inline=copy.deepcopy(planned.encoded.inline))
         except BaseException:

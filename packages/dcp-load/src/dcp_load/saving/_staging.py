@@ -10,8 +10,13 @@ flight (``_queue``), that is all the staging memory it holds. It grows only when
 needs more (the old arena is freed first), never shrinks by itself: ``release()`` (public
 as ``dcp_load.release_staging``) frees it, waiting for a save in flight to finish writing.
 
-Accelerator tensors are copied to the host by ``Tensor.copy_`` into plain memory here;
-``_host_buffer`` is the seam where a pinned arena (and copies on a side stream) goes.
+Accelerator tensors: when the platform has a copy engine for their device
+(``Platform.device_copies``: CUDA, NPU, XPU through torch's device module) the arena is
+pinned host memory from that engine (``_host_buffer``), the boxes are copied into it on the
+engine's copy stream with ``non_blocking``, and ``stage`` returns once the event of the
+last copy fired: that wait is the blocking time of ``async_save`` on a device. Values the
+engine does not serve (host tensors, MindSpore, a backend without pinned memory) are
+copied by ``Tensor.copy_`` / numpy as before.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._arena: Any = None  # numpy uint8, or None
+        self._pinned: Any = None  # (torch uint8 pinned tensor behind the arena, its engine), or None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._busy = False
@@ -49,17 +55,31 @@ class StagingPool:
         """Bytes the pool holds now."""
         return 0 if self._arena is None else int(self._arena.nbytes)
 
-    def _host_buffer(self, nbytes: int, device_types: set[str]) -> Any:
-        """A host buffer of ``nbytes`` for copies from tensors on ``device_types``: plain
-        memory (an accelerator's pinned memory belongs here)."""
+    def _host_buffer(self, nbytes: int, device_types: set[str], copies: Any = None) -> Any:
+        """A host buffer of ``nbytes`` for copies from tensors on ``device_types``: pinned
+        memory from the copy engine ``copies`` when there is one, else plain memory."""
         import numpy as np
 
-        del device_types  # plain memory for every device type until the pinned path exists
-        return np.empty(nbytes, dtype=np.uint8)
+        del device_types  # the engine decides: one per device, or None for the plain path
+        if copies is None:
+            return np.empty(nbytes, dtype=np.uint8)
+        pinned = copies.host_buffer(nbytes)
+        self._pinned = (pinned, copies)
+        return pinned.numpy()
 
-    def stage(self, data: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def _drop_arena(self) -> None:
+        """Free the arena (a pinned one goes back to its engine's cache)."""
+        self._arena = None
+        if self._pinned is not None:
+            pinned, copies = self._pinned
+            self._pinned = None
+            copies.give_back(pinned)
+
+    def stage(self, data: dict[str, Any], platform: Any = None) -> tuple[dict[str, Any], int]:
         """Copies of ``data``'s values ({key: tensor or array}) in the arena: ({key: copy},
-        bytes staged). Call ``done()`` once the copies were written."""
+        bytes staged). ``platform``: whose copy engine moves device tensors (module
+        docstring). Call ``done()`` once the copies were written."""
+        copies = _engine_for(platform, data)
         sizes = {k: _nbytes(v) for k, v in data.items()}
         need = sum(_round(n, ALIGN) for n in sizes.values())
         with self._lock:
@@ -67,15 +87,13 @@ class StagingPool:
                 self._idle.wait()
             self._busy = True
         try:
-            if need > self.capacity:
-                self._arena = None  # free the smaller arena before taking the larger one
-                self._arena = self._host_buffer(_round(need, ROUND_BYTES), {_device(v) for v in data.values()})
+            pinned_by = None if self._pinned is None else self._pinned[1]
+            if need > self.capacity or (copies is not None and pinned_by is not copies):
+                self._drop_arena()  # free the smaller (or unpinned) arena before taking the next
+                self._arena = self._host_buffer(_round(need, ROUND_BYTES), {_device(v) for v in data.values()},
+                                                copies)
                 logger.debug("staging pool: %d bytes", self.capacity)
-            out: dict[str, Any] = {}
-            pos = 0
-            for key, value in data.items():
-                out[key] = _copy_into(self._arena[pos:pos + sizes[key]], value)
-                pos += _round(sizes[key], ALIGN)
+            out = self._copy_all(data, sizes, copies)
         except BaseException:
             self.done()
             raise
@@ -92,8 +110,43 @@ class StagingPool:
         with self._lock:
             while self._busy:
                 self._idle.wait()
-            freed, self._arena = self.capacity, None
+            freed = self.capacity
+            self._drop_arena()
         return freed
+
+    def _copy_all(self, data: dict[str, Any], sizes: dict[str, int], copies: Any) -> dict[str, Any]:
+        """Every value copied into the arena; device values through ``copies`` on its copy
+        stream, waited for once, after the last has been queued."""
+        out: dict[str, Any] = {}
+        pos, last = 0, None
+        if copies is not None:
+            copies.begin()  # after the caller's pending writes to its tensors
+        for key, value in data.items():
+            if copies is not None and _torch_tensor(value) and sizes[key] and copies.owns(value):
+                dst = self._pinned[0][pos:pos + sizes[key]].view(value.dtype).view(value.shape)
+                last = copies.to_host(dst, value.detach())
+                out[key] = dst
+            else:
+                out[key] = _copy_into(self._arena[pos:pos + sizes[key]], value)
+            pos += _round(sizes[key], ALIGN)
+        if last is not None:
+            copies.wait_event(last)  # one stream: the last copy's event fires after all others
+        return out
+
+
+def _engine_for(platform: Any, data: dict[str, Any]) -> Any:
+    """The platform's copy engine of the first device tensor in ``data`` it serves, or None."""
+    of = getattr(platform, "device_copies", None)
+    if of is None:
+        return None
+    seen: set[str] = set()
+    for value in data.values():
+        if _torch_tensor(value) and str(value.device) not in seen:
+            seen.add(str(value.device))
+            copies = of(value.device)
+            if copies is not None and copies.owns(value):
+                return copies
+    return None
 
 
 def _torch_tensor(value: Any) -> bool:
