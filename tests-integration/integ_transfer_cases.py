@@ -222,3 +222,19 @@ def random_layouts(rank: int, world: int, cases: list[dict[str, Any]]) -> list[A
             v.device_mesh, list(v.placements)).to_local())]
         results.append((bad, report.bytes_received, report.bytes_kept, report.bytes_copied))
     return results
+
+
+def absent_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 3 never calls transfer: the others raise LoadError naming it within timeout."""
+    import time
+
+    m = meshes()
+    if rank == 3:
+        time.sleep(12)  # alive, but elsewhere
+        return {}
+    src = {"w": shard(truth("w", (8, 6)), m["row"], [Shard(0)])} if rank < 2 else None
+    dst = {"w": torch.full((8, 6), float("nan"))} if rank == 2 else None
+    start = time.monotonic()
+    message = _refused(src, dst, timeout=3)
+    return {"message": message, "seconds": time.monotonic() - start,
+            "untouched": dst is None or bool(dst["w"].isnan().all())}

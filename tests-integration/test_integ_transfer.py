@@ -85,3 +85,10 @@ def test_random_layouts_against_the_truth(layouts):
         for spec, (bad, received, kept, copied) in zip(specs, results, strict=True):
             assert bad == [], (rank, spec)
             assert received + copied <= kept, (rank, spec)  # never more than once (a cast may halve it)
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_bound():
+    per_rank = run_ranks(cases.absent_rank, 4, timeout=300, pg_timeout=240)
+    for r in per_rank[:3]:
+        assert "rank 3" in r["message"] and r["untouched"], r
+        assert r["seconds"] < 12, r  # the bound (3 s) and the store's polling, not the peer's return

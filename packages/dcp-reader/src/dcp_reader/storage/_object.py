@@ -41,6 +41,7 @@ from typing import Any
 from .._errors import (
     MissingFileError,
     StorageAuthError,
+    StorageConfigError,
     StorageError,
     TruncatedFileError,
     UnsafePathError,
@@ -48,6 +49,7 @@ from .._errors import (
 )
 from ._names import check_name, name_problem
 from ._options import ObjectOptions
+from ._settings import check_settings, endpoint_of, endpoint_source, reach
 from ._uri import split_uri
 
 logger = logging.getLogger(__name__)
@@ -127,16 +129,6 @@ def _env_key() -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
 
 
-def endpoint_of(scheme: str) -> str:
-    """The endpoint requests go to, for messages."""
-    if scheme.startswith("s3"):
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or \
-            f"https://s3.{region}.amazonaws.com"
-    return {"gs": "https://storage.googleapis.com", "gcs": "https://storage.googleapis.com"}.get(
-        scheme, "the Azure blob endpoint of the account")
-
-
 def _client(scheme: str, bucket: str, opts: ObjectOptions, *, retries: bool = True) -> Any:
     key = (scheme, bucket, opts, retries, _env_key())
     with _CLIENTS_LOCK:
@@ -195,6 +187,7 @@ class ObjectStorage:
         self.scheme, self.bucket, self.prefix = split_uri(root)
         self.root = f"{self.scheme}://{self.bucket}/{self.prefix}" if self.prefix else f"{self.scheme}://{self.bucket}"
         self.options = options or ObjectOptions.from_env()
+        check_settings(self.scheme, self.root)
         self.store = _client(self.scheme, self.bucket, self.options)
 
     @classmethod
@@ -246,17 +239,32 @@ class ObjectStorage:
                 f"{self.bucket!r} while {doing} ({type(e).__name__}: {_first_line(text)}). Check "
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN (or the profile in "
                 "~/.aws), AWS_ENDPOINT_URL and AWS_REGION", path=uri, key=key)
-        if isinstance(e, NotFoundError | FileNotFoundError) or "NoSuchBucket" in text:
-            where = (f"bucket {self.bucket!r} does not exist at {endpoint_of(self.scheme)}"
-                     if "NoSuchBucket" in text else f"object {uri} does not exist")
-            return MissingFileError(f"{where} (for {key!r}); the checkpoint is incomplete or the URI is "
-                                    "wrong: check it, or copy the missing object", path=uri, key=key)
+        if "NoSuchBucket" in text:
+            return self._no_bucket(uri, key)
+        if isinstance(e, NotFoundError | FileNotFoundError):
+            held = f" (for {key!r})" if key is not None else ""
+            return MissingFileError(f"object {uri} does not exist{held}; the checkpoint is incomplete or the "
+                                    "URI is wrong: check it, or copy the missing object", path=uri, key=key)
+        if "builder error" in text:  # the client cannot build the request: no retry can help
+            return StorageConfigError(
+                f"the object-store client cannot build a request to {endpoint_of(self.scheme)} "
+                f"({endpoint_source(self.scheme)}) while {doing} ({_first_line(text)}): check "
+                "AWS_ENDPOINT_URL (a full http:// or https:// address) and AWS_ALLOW_HTTP", path=uri, key=key)
         return StorageError(f"{doing} failed at {endpoint_of(self.scheme)} after retries "
                             f"({type(e).__name__}: {_first_line(text)}); check that the endpoint is reachable "
                             "and retry, or raise DCP_STORAGE_TOTAL_TIMEOUT (seconds) for a slow store", path=uri, key=key)
 
+    def _no_bucket(self, uri: str, key: str | None) -> MissingFileError:
+        held = f" (for {key!r})" if key is not None else ""
+        return MissingFileError(
+            f"bucket {self.bucket!r} does not exist at {endpoint_of(self.scheme)} "
+            f"({endpoint_source(self.scheme)}){held}: create it (for example `aws s3 mb s3://{self.bucket}` "
+            f"with the same endpoint), or check the bucket name in {self.root} and the endpoint",
+            path=uri, key=key)
+
     def _call(self, fn: Any, name: str, key: str | None, doing: str, *args: Any, **kw: Any) -> Any:
         """``fn(store, ...)`` retried as GETs are (``_retrying``)."""
+        reach(self.scheme, self.root, min(10.0, self.options.stall_timeout))
         return self._retrying(lambda: fn(self.store, *args, **kw), name, key, doing,
                               time.monotonic() + self.options.total_timeout)
 
