@@ -10,6 +10,7 @@ from ._errors import (
     MissingKeyError,
     MissingMetadataError,
     StorageAuthError,
+    StorageConfigError,
     StorageError,
     TruncatedFileError,
     UnknownDtypeError,
@@ -60,5 +61,6 @@ __all__ = [
     "UnsafePickleError",
     "StorageError",
     "StorageAuthError",
+    "StorageConfigError",
     "__version__",
 ]

@@ -104,6 +104,12 @@ class StorageAuthError(StorageError):
     bucket); the message names the endpoint and the bucket."""
 
 
+class StorageConfigError(StorageError):
+    """The object store cannot be used as configured, so retrying cannot help: a plain-http
+    endpoint without ``AWS_ALLOW_HTTP=true``, an endpoint that cannot be reached at all, a
+    request the client cannot build. Raised at once; the message says what to set."""
+
+
 def short_repr(obj: object, limit: int = 80) -> str:
     """``repr(obj)`` cut to ``limit`` characters, built piece by piece: a container is walked
     only as far as the limit reaches and nested at most 8 deep, a long str or bytes is cut
