@@ -4,10 +4,9 @@ and a pinned buffer reused before its copy's event fired would corrupt values.""
 
 from __future__ import annotations
 
+import dcp_load
 import pytest
 import torch
-
-import dcp_load
 from dcp_platform import _device
 from dcp_platform.testing import FakeAccelerator
 

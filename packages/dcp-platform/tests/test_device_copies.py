@@ -7,7 +7,6 @@ import threading
 
 import pytest
 import torch
-
 from dcp_platform import _device
 from dcp_platform._torch import TorchPlatform
 from dcp_platform.testing import FakeAccelerator
