@@ -211,3 +211,23 @@ def test_prefix_and_config_mistakes_are_refused_before_anything(tmp_path, kwargs
     with pytest.raises((ValueError, TypeError), match=match):
         dcp_load.convert(src, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_worker_process_reads_through_the_mapping(tmp_path, monkeypatch):
+    from dcp_load.conversion import _fill, _workers
+
+    def one_then_stop(counter, n):  # this process fills one file, the worker process the others
+        real, took = _fill.claimer(counter, n), []
+        return lambda: None if took else took.append(real()) or took[0]
+
+    monkeypatch.setattr(_workers, "claimer", one_then_stop)
+    parts = {f"l.{i}.{x}": torch.randn(40, 8) for i in range(2) for x in "ab"}
+    src = _hf(tmp_path, parts)
+    report = dcp_load.convert(src, tmp_path / "out", max_shard_bytes="2KB", workers=2,
+                              sources={"w.{i}": Concat(["l.{i}.a", "l.{i}.b"], groups=2), "e.{i}": "l.{i}.a"})
+    assert report.workers == 2 and len(report.files) == 4
+    got = dcp_load.read_state_dict(tmp_path / "out")
+    for i in range(2):
+        a, b = parts[f"l.{i}.a"], parts[f"l.{i}.b"]
+        assert torch.equal(got[f"w.{i}"], torch.cat([a[:20], b[:20], a[20:], b[20:]]))
+        assert torch.equal(got[f"e.{i}"], a)
