@@ -21,7 +21,7 @@ from typing import Any
 from dcp_platform import PeerFailure
 
 from .._errors import LoadError
-from .._load import DEFAULT_BATCH_BYTES, resolve_platform
+from .._load import DEFAULT_BATCH_BYTES, fallback_platform, resolve_platform
 from ..layouts._sources import SourceMap
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce, digest
@@ -182,9 +182,7 @@ def transfer(
     try:
         platform = resolve_platform(platform, [*src_side.leaves, *dst_side.leaves])
     except Exception as exc:  # noqa: BLE001 - reported through the exchange, so no rank waits for this one
-        from .._load import _fallback_platform
-
-        platform = _fallback_platform(exc)
+        platform = fallback_platform(exc)
         errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
     collective = platform.is_distributed()
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
