@@ -23,7 +23,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_TOP_MODULES = 14
 #: dcp-load's layers, lowest first; a module may import its own layer and those below it.
-LAYERS = ["_errors", "layouts", "plan", "run", "_load", "saving", "transfer", "conversion", "cli"]
+LAYERS = ["_errors", "layouts", "plan", "run", "_load", "saving", "transferring", "conversion", "cli"]
 #: The modules of dcp-load outside the layer order: the package's front, its version, the demo.
 UNLAYERED = {"__init__", "_version", "demo"}
 

@@ -1,4 +1,4 @@
-"""The transfer planner (``dcp_load.transfer._planner``), pure: random held and wanted
+"""The transfer planner (``dcp_load.transferring._planner``), pure: random held and wanted
 layouts (hypothesis) are replayed piece by piece on arrays against the truth; each rank
 gets every element it wants exactly once, from a rank that holds it; a holder that wants
 a piece sends it; replicas share the sending; ``sources=`` composes held boxes as load
@@ -11,7 +11,7 @@ import math
 import numpy as np
 from dcp_load import Concat
 from dcp_load.layouts._sources import SourceMap
-from dcp_load.transfer._planner import plan_transfer
+from dcp_load.transferring._planner import plan_transfer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,7 +139,7 @@ def test_transfer_stays_the_function_after_its_modules_are_imported():
 
     import dcp_load
 
-    importlib.import_module("dcp_load.transfer._move")
-    importlib.import_module("dcp_load.transfer._layout")
-    assert callable(dcp_load.transfer) and dcp_load.transfer.__module__ == "dcp_load.transfer._transfer"
+    importlib.import_module("dcp_load.transferring._move")
+    importlib.import_module("dcp_load.transferring._layout")
+    assert callable(dcp_load.transfer) and dcp_load.transfer.__module__ == "dcp_load.transferring._transfer"
     assert "transfer" in dcp_load.__all__ and "TransferReport" in dcp_load.__all__

@@ -13,7 +13,7 @@ from .run._report import LoadReport
 from .saving._async import async_save
 from .saving._save import SaveReport, save
 from .saving._staging import release_staging
-from .transfer._transfer import TransferReport, transfer
+from .transferring._transfer import TransferReport, transfer
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
