@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import tempfile
 import warnings
@@ -117,7 +118,7 @@ def _loads(draw):
     mode = draw(st.sampled_from(["model", "exact", "cover"]))
     limit = draw(st.sampled_from([8, 64, 1024, 16 * MiB]))
     composed = draw(st.booleans())  # through sources= (a SourcedReader), or the saved name
-    return shape, cuts, tiles, saved, dest, fmt, mode, limit, composed, draw(st.randoms(use_true_random=False))
+    return shape, cuts, tiles, saved, dest, fmt, mode, limit, composed, random.Random(draw(st.integers(0, 2**32)))  # used on reading threads
 
 
 def _write(path, fmt, full, cuts):
