@@ -1,6 +1,6 @@
 """``dcp verify DIR`` and ``dcp_reader.verify_checkpoint``: exit 0 for a good checkpoint
 (native with checksums, Hugging Face and torch DCP without), 1 with one line per problem
-(a flipped bit names file, tensor and block; a truncated file), 2 when unreadable."""
+(a flipped bit names file, tensor and block; a truncated or missing file), 2 when unreadable."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def test_truncated_file_is_a_problem(tmp_path, capsys):
     save_file({"w": torch.ones(100)}, str(tmp_path / "model.safetensors"))
     with open(tmp_path / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 10)
-    assert main(["verify", str(tmp_path)]) == 2  # the header is checked when opening: unreadable
-    assert "truncated" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path)]) == 1  # a problem found, not "unreadable"
+    out = capsys.readouterr().out
+    assert "PROBLEM" in out and "truncated" in out and "1 tensors, 1 chunks" in out
 
 
 def test_torch_dcp_without_checksums(tmp_path, capsys):

@@ -5,6 +5,7 @@ file's safetensors metadata: the offsets of the chunk each key holds)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 from .._dtypes import from_safetensors
 from .._errors import (
@@ -27,8 +28,9 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 INDEX_LIMIT = 64 * 1024 * 1024
 
 
-def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
-    """The data files of an HF-style checkpoint, and the index's weight map if any."""
+def hf_files(root_real: str, skip: Collection[str] = ()) -> tuple[list[str], dict[str, str] | None]:
+    """The data files of an HF-style checkpoint, and the index's weight map if any; the
+    files of ``skip`` (and their entries) left out (``verify`` checks the rest)."""
     index = os.path.join(root_real, INDEX_FILE)
     if lexists(root_real, INDEX_FILE):  # lexists: a dangling link or a directory is reported, not skipped
         doc = load_json(read_regular(root_real, INDEX_FILE, limit=INDEX_LIMIT, key=INDEX_FILE), index,
@@ -37,12 +39,14 @@ def hf_files(root_real: str) -> tuple[list[str], dict[str, str] | None]:
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise MetadataError("'weight_map' is missing or not a {tensor name: file name} object; the "
                                 "index is corrupt: re-save or re-download it", path=index, key="weight_map")
+        wm = {k: f for k, f in wm.items() if f not in skip}
         check_files(root_real, [(f, k) for k, f in wm.items()])
         return sorted(set(wm.values())), wm
     if lexists(root_real, SINGLE_FILE):
-        return [SINGLE_FILE], None
-    files = sorted(n for n in listdir(root_real) if n.endswith(".safetensors") and not n.startswith("."))
-    if not files:
+        return [f for f in [SINGLE_FILE] if f not in skip], None
+    files = sorted(n for n in listdir(root_real) if n.endswith(".safetensors") and not n.startswith(".")
+                   and n not in skip)
+    if not files and not skip:
         raise MissingFileError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file in the directory",
                                path=root_real)
     check_files(root_real, [(f, None) for f in files])
@@ -61,9 +65,10 @@ def sharding_info(header: Header, path: str) -> dict[str, list[int]] | None:
                             "corrupt: re-save it", path=path, key=SHARDING_KEY) from None
 
 
-def load_hf(root_real: str, *, sharded: bool) -> CheckpointMetadata:
-    """Build the metadata from the headers (every file's header is read once here)."""
-    files, weight_map = hf_files(root_real)
+def load_hf(root_real: str, *, sharded: bool, skip: Collection[str] = ()) -> CheckpointMetadata:
+    """Build the metadata from the headers (every file's header is read once here), leaving
+    out the files of ``skip``."""
+    files, weight_map = hf_files(root_real, skip)
     wanted: dict[str, list[str]] | None = None
     if weight_map is not None:
         wanted = {}

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .._errors import CheckpointError, MissingFileError, summarise
+from .._errors import CheckpointError, MetadataError, MissingFileError, MissingMetadataError, summarise
 from .._model import CheckpointMetadata
 from .._reader import CheckpointReader, open_checkpoint
 from ..formats._detect import detect_format
+from ..formats._hf import INDEX_FILE, INDEX_LIMIT, load_hf
 from ..formats._native import load_native, stray_among, stray_files
+from ..formats._torch_dcp import check_storage, load_torch_dcp, stored_ranges
 from ..storage._names import METADATA_LIMIT
+from ..storage._protocol import Storage, StorageFile
 from ..storage._roots import read_regular, storage_at
 from ..storage._uri import real_root
 from ._value_sums import check_bytes, check_value
@@ -45,30 +49,25 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
     checksums (native format), reading each file once in 64 MiB windows, and every value
     that has a checksum (its JSON text, or the bytes of its file: nothing is unpickled).
 
-    Missing data files are problems (one line each, naming what they hold; a native
-    checkpoint's other files are still checked), and so are stray files (native format:
-    files the writer names, ``rank-*.safetensors``, ``values*.pkl`` and temporary files,
-    that the metadata does not refer to).
+    Missing, truncated and unreadable data files are problems (one line each, naming what
+    they hold), and the other files are still checked; the counts are the checkpoint's own,
+    bad files' entries included. Stray files are problems too (native format: files the
+    writer names, ``rank-*.safetensors``, ``values*.pkl`` and temporary files, that the
+    metadata does not refer to).
 
     Returns a VerifyReport listing one line per problem; raises CheckpointError only when
     the checkpoint cannot be opened at all (no or unreadable metadata)."""
     t0 = time.perf_counter()
-    problems: list[str] = []
     chunks = with_sums = verified = 0
-    r, missing, fmt = _open(path, format)
-    if r is None:  # a format whose files cannot be checked one by one: list what is missing
-        return VerifyReport(path=real_root(path), format=fmt, tensors=0, chunks=0,
-                            chunks_with_checksums=0, bytes_verified=0, seconds=time.perf_counter() - t0,
-                            problems=tuple(f"missing file {n!r}: named by the metadata, not in the directory "
-                                           "(copy it or re-save)" for n in missing))
+    r, bad = _open(path, format)
+    problems = list(bad.lines)
     with r:
         meta = r.metadata
-        problems.extend(_missing_lines(meta, missing))
         for name, t in meta.tensors.items():
             for c in t.chunks:
                 chunks += 1
-                if r.format == "torch-dcp" or c.file in missing:
-                    continue  # byte ranges were checked against file sizes when opening; missing: listed
+                if r.format == "torch-dcp" or c.file in bad.files:
+                    continue  # byte ranges were checked against file sizes when opening; bad: listed
                 try:
                     f, sums = r._safetensors(name, t.dtype, c)
                     if sums is not None:
@@ -76,32 +75,182 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
                         verified += f.verify_entry(c.key, sums, name=name, worker=r._hasher)
                 except CheckpointError as e:
                     problems.append(str(e))
-        value_sums = _verify_values(r, problems, missing)
+        value_sums = _verify_values(r, problems, bad.files)
         if r.format == "native":
             problems.extend(f"stray file {n!r}: the metadata does not name it (left by an earlier or killed save, "
                             "or written by a save in progress); the next save into this directory removes it, "
                             "or delete it" for n in _strays(r.path, meta))
-        return VerifyReport(path=r.path, format=r.format, tensors=len(meta.tensors), chunks=chunks,
-                            chunks_with_checksums=with_sums, bytes_verified=verified,
-                            seconds=time.perf_counter() - t0, problems=tuple(problems),
+        return VerifyReport(path=r.path, format=r.format, tensors=len(meta.tensors) + len(bad.tensors),
+                            chunks=chunks + bad.chunks, chunks_with_checksums=with_sums, bytes_verified=verified,
+                            seconds=time.perf_counter() - t0, problems=tuple(dict.fromkeys(problems)),
                             values=len(meta.values), values_with_checksums=value_sums)
 
 
-def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointReader | None, list[str], str]:
-    """(reader, names of the missing data files, format). A native checkpoint with missing
-    files is opened without them, so that the rest is still checked; for another format
-    the reader is None."""
+@dataclass
+class _Bad:
+    """The data files that cannot be checked entry by entry: their problem lines, and the
+    tensors and chunks they hold that the reader's metadata lacks (HF: they come from the
+    files' headers)."""
+
+    files: set[str] = field(default_factory=set)
+    lines: list[str] = field(default_factory=list)
+    tensors: set[str] = field(default_factory=set)
+    chunks: int = 0
+
+
+def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointReader, _Bad]:
+    """The reader of the checkpoint's good files, and its bad ones. A checkpoint that opens
+    has none (bad headers of native files are found entry by entry); else its metadata is
+    read again without the file checks, each file is checked on its own, and HF files whose
+    header cannot be read are left out of the metadata."""
     try:
-        r = open_checkpoint(path, format=format)
-        return r, [], r.format
-    except MissingFileError as e:
-        if not e.offenders:
-            raise
-        root = real_root(path)  # a local path resolved, or an s3:// root as it is
+        return open_checkpoint(path, format=format), _Bad()
+    except (MissingMetadataError, MetadataError):
+        raise
+    except CheckpointError as e:
+        first = e
+    root = real_root(path)  # a local path resolved, or an s3:// root as it is
+    try:
         fmt = format or detect_format(root)
-        if fmt != "native":
-            return None, list(e.offenders), fmt
-        return CheckpointReader(root, load_native(root)), list(e.offenders), fmt
+    except CheckpointError as e:  # the header it reads (HF: the first file's) is the bad one
+        if not (_file_of(root, e.path) or "").endswith(".safetensors"):
+            raise
+        fmt = "hf"
+    storage = storage_at(root)
+    if fmt == "native":
+        meta = load_native(root)
+        bad = _missing(storage, meta, first)
+    elif fmt == "torch-dcp":
+        meta = load_torch_dcp(root, check=False)
+        bad = _missing(storage, meta, first)
+        _check_ranges(root, meta, bad)
+    elif fmt in ("hf", "torch-dcp-hf"):
+        meta, bad = _hf_without_bad(root, fmt == "torch-dcp-hf", storage, first)
+    else:
+        raise first
+    return CheckpointReader(root, meta), bad
+
+
+def _holds(meta: CheckpointMetadata) -> dict[str, list[str]]:
+    """{file: the entries (tensors and values) it holds}."""
+    out: dict[str, list[str]] = {}
+    for n, t in meta.tensors.items():
+        for f in dict.fromkeys(c.file for c in t.chunks):
+            out.setdefault(f, []).append(n)
+    for n, v in meta.values.items():
+        if v.file is not None:
+            out.setdefault(v.file, []).append(n)
+    return out
+
+
+def _entries(names: list[str]) -> str:
+    return (f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}"
+            f" ({summarise([repr(x) for x in names], limit=5)})")
+
+
+def _missing(storage: Storage, meta: CheckpointMetadata, first: CheckpointError) -> _Bad:
+    """The files the metadata names that are missing, one line each; ``first`` (what the
+    open raised) again when it is about something else."""
+    holds = _holds(meta)
+    try:
+        storage.check_files([(f, n[0]) for f, n in holds.items()])
+    except MissingFileError as e:
+        missing = [n for n in e.offenders if n in holds]
+    else:
+        missing = []
+    if not missing and meta.format == "native":
+        raise first
+    bad = _Bad(files=set(missing))
+    bad.lines = [f"missing file {n!r}: named by the metadata for {_entries(sorted(holds[n]))}, not in the directory; "
+                 "copy it or re-save" for n in missing]
+    return bad
+
+
+def _check_ranges(root: str, meta: CheckpointMetadata, bad: _Bad) -> None:
+    """torch DCP: every present file's stored byte ranges against its size, file by file."""
+    by_file: dict[str, list[tuple[str, str, tuple[int, int]]]] = {}
+    for item in stored_ranges(dict(meta.tensors), dict(meta.values)):
+        by_file.setdefault(item[0], []).append(item)
+    for f, items in by_file.items():
+        if f in bad.files:
+            continue
+        try:
+            check_storage(root, items)
+        except CheckpointError as e:
+            bad.files.add(f)
+            bad.lines.append(str(e))
+
+
+def _hf_without_bad(root: str, sharded: bool, storage: Storage, first: CheckpointError
+                    ) -> tuple[CheckpointMetadata, _Bad]:
+    """HF metadata from the headers that can be read: each file whose header cannot be (or
+    that is missing) is left out and listed with the entries the index or its header names."""
+    bad = _Bad()
+    index = _weight_map(root)
+    err: CheckpointError = first
+    for _ in range(len(storage.names()) + 1):
+        named = [n for n in getattr(err, "offenders", []) or [] if n in set(index.values())]
+        if isinstance(err, MissingFileError) and named:  # shards the index names, missing
+            for n in named:
+                bad.files.add(n)
+                bad.lines.append(f"missing file {n!r}: named by the index for "
+                                 f"{_entries(sorted(k for k, f in index.items() if f == n))}, not in the "
+                                 "directory; copy it or re-save")
+        else:
+            name = _file_of(root, err.path)
+            if name is None or name in bad.files:
+                raise first
+            bad.files.add(name)
+            bad.lines.append(str(err))
+        try:
+            meta = load_hf(root, sharded=sharded, skip=bad.files)
+            break
+        except CheckpointError as e:
+            err = e
+    else:
+        raise first
+    for f in bad.files:
+        keys = sorted(k for k, g in index.items() if g == f) or _header_keys(storage, f)
+        bad.tensors |= set(keys) - set(meta.tensors)
+        bad.chunks += len(keys)
+    return meta, bad
+
+
+def _weight_map(root: str) -> dict[str, str]:
+    try:
+        doc = json.loads(read_regular(root, INDEX_FILE, limit=INDEX_LIMIT, key=INDEX_FILE))
+    except (CheckpointError, ValueError):
+        return {}
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    return {k: v for k, v in wm.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(wm, dict) else {}
+
+
+def _file_of(root: str, path: str | None) -> str | None:
+    """The file under ``root`` that an error's ``path`` names, None when it names none."""
+    if not path or not path.startswith(root.rstrip("/") + "/"):
+        return None
+    return path[len(root.rstrip("/")) + 1:]
+
+
+def _header_keys(storage: Storage, name: str) -> list[str]:
+    """The tensor names in a safetensors header that failed its checks (a truncated file's
+    header is usually whole); [] when even that cannot be read."""
+    try:
+        f = storage.open(name)
+        try:
+            n = int.from_bytes(_read(f, 0, 8), "little")
+            doc = json.loads(_read(f, 8, min(n, INDEX_LIMIT)))
+        finally:
+            f.close()
+    except (CheckpointError, ValueError, OSError):
+        return []
+    return sorted(k for k in doc if k != "__metadata__") if isinstance(doc, dict) else []
+
+
+def _read(f: StorageFile, offset: int, n: int) -> bytes:
+    buf = bytearray(max(0, min(n, f.size - offset)))
+    f.read_into(buf, offset, key=None)
+    return bytes(buf)
 
 
 def _strays(root: str, meta: CheckpointMetadata) -> list[str]:
@@ -111,17 +260,7 @@ def _strays(root: str, meta: CheckpointMetadata) -> list[str]:
     return stray_among(storage.names(), meta, legacy=False)  # a listing alone: no legacy names
 
 
-def _missing_lines(meta: CheckpointMetadata, missing: list[str]) -> list[str]:
-    lines = []
-    for n in missing:
-        names = sorted({t for t, tm in meta.tensors.items() for c in tm.chunks if c.file == n}
-                       | {v for v, vm in meta.values.items() if vm.file == n})
-        lines.append(f"missing file {n!r}: named by the metadata for {len(names)} entr{'y' if len(names) == 1 else 'ies'}"
-                     f" ({summarise([repr(x) for x in names], limit=5)}), not in the directory; copy it or re-save")
-    return lines
-
-
-def _verify_values(r: CheckpointReader, problems: list[str], missing: list[str]) -> int:
+def _verify_values(r: CheckpointReader, problems: list[str], missing: set[str]) -> int:
     """Check every value that has a checksum (each file read once); returns their count."""
     raws: dict[str, bytes | CheckpointError] = {}
     n = 0
