@@ -521,18 +521,13 @@ class ObjectStorage:
         """The bytes [lo, hi) of the object, streamed into ``spans``. A body that breaks off
         or comes back short is retried from its first missing byte (pinned to ``etag``, the
         rest comes from the same version)."""
-        import obstore
-
         pos = lo
 
         def attempt() -> Any:
             nonlocal pos
-            options: dict[str, Any] = {"range": (pos, hi)}
-            if etag:
-                options["if_match"] = etag
-            res = obstore.get(self.store, self.key(name), options=options)
-            self._check_version(res.meta.get("e_tag"), etag, name, key)
-            for chunk in res.stream(min_chunk_size=STREAM_BYTES):
+            got, chunks = self._response(name, pos, hi, etag)
+            self._check_version(got, etag, name, key)
+            for chunk in chunks:
                 n = len(chunk)
                 if n > hi - pos:  # obstore checks the range it got; this cannot be retried away either
                     raise _permanent(f"the endpoint {endpoint_of(self.scheme)} sent more than the "
@@ -543,6 +538,17 @@ class ObjectStorage:
             return None if pos == hi else (_SHORT, f"short body: {pos - lo} of {hi - lo} bytes")
 
         self._retrying(attempt, name, key, f"reading bytes [{lo}, {hi})", deadline)
+
+    def _response(self, name: str, lo: int, hi: int, etag: str | None) -> tuple[str | None, Iterable[Any]]:
+        """(the response's ETag, its body as buffers of ``STREAM_BYTES`` as they arrive) of
+        one GET of [lo, hi), pinned to ``etag``."""
+        import obstore
+
+        options: dict[str, Any] = {"range": (lo, hi)}
+        if etag:
+            options["if_match"] = etag
+        res = obstore.get(self.store, self.key(name), options=options)
+        return res.meta.get("e_tag"), res.stream(min_chunk_size=STREAM_BYTES)
 
     def _check_version(self, got: str | None, etag: str | None, name: str, key: str | None) -> None:
         """ObjectChangedError when a response is of another version than ``etag`` (a store
