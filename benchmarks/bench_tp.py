@@ -65,7 +65,7 @@ def cases(model_mib: int) -> dict[str, dict[str, tuple[tuple[int, ...], int]]]:
         "narrow-65536x64-S1": {"w": ((65536, 64), 1)},
         "experts-16x512x512-S2": {"w": ((16, 512, 512), 2)},
         "conv-256x256x3x3-S3": {"w": ((256, 256, 3, 3), 3)},
-        f"llama-model-{model_mib}MiB": llama_model(model_mib),
+        "llama-model": llama_model(model_mib),
     }
 
 
@@ -186,7 +186,8 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    ap.add_argument("--model-mib", type=int, default=256, help="size of the Llama-like model case")
+    ap.add_argument("--model-mib", type=int, default=256,
+                    help="Llama-like model case: about this size, at least its 250 MiB embedding and head + 1 layer")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "dcp-bench-tp"))
     args = ap.parse_args()
     from dcp_platform.testing import add_preload, run_ranks
