@@ -230,13 +230,17 @@ def load_torch_dcp(env: Env, src: dict[str, Any], hf: Path, files: list[Path]) -
 
 
 def load_fastsafetensors(env: Env, src: dict[str, Any], hf: Path, files: list[Path]) -> dict[str, Any]:
-    from fastsafetensors import fastsafe_open
+    from fastsafetensors import ParallelLoader  # as benchmarks/_bench_loaders.py calls it
 
     t0 = time.perf_counter()
     out: dict[str, Any] = {}
-    with fastsafe_open(filenames=[str(f) for f in files], nogds=True, device=env.device) as f:
-        for k in f.keys():
-            out[k] = f.get_tensor(k).clone()  # the loader's buffers go at close
+    loader = ParallelLoader(None, [str(f) for f in files], nogds=True, use_tqdm_on_load=False, device=env.device,
+                            set_numa=False, accumulate_resident=False)
+    try:
+        for k, tensor in loader.iterate_weights():
+            out[k] = tensor.clone()  # the loader's buffers go at close
+    finally:
+        loader.close()
     env.sync()
     return {"seconds": time.perf_counter() - t0, "out": out}
 
@@ -342,7 +346,7 @@ def run_saves(env: Env, src: dict[str, Any], save_bytes: int, work: Path) -> dic
             out[label] = {"blocked_s": runs[1][0], "total_s": runs[1][1], "first_blocked_s": runs[0][0]}
         except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, the run goes on
             out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    back = {k: env.empty(v.shape, v.dtype) for k, v in sd.items()}
+    back = _poisoned(env, sd)
     dcp_load.load(back, checkpoint_id=str(work / "save-dcp-1"), no_dist=True, platform=env.platform)
     env.sync()
     out["dcp_values_bad"] = len(check_values(sd, back))

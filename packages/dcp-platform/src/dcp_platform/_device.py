@@ -230,7 +230,7 @@ def torch_device_copies(device: Any) -> DeviceCopies | None:
         return None
     try:
         module = torch.get_device_module(device)
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError, ValueError, TypeError):  # no device module for this type
         return None
     if not all(hasattr(module, n) for n in ("Stream", "Event", "stream", "current_stream")):
         return None
