@@ -313,7 +313,8 @@ def checkpoint_causes(opened: Sequence[tuple[Any, Any]]) -> dict[int, list[str]]
         if len(listed) > _SHOWN_CHECKPOINTS:
             shown += f"; and {len(listed) - _SHOWN_CHECKPOINTS} more checkpoint(s)"
         text = (f"the ranks opened different checkpoints, whose metadata differs ({shown}): pass every rank the "
-                "same checkpoint_id (one directory, or identical copies of it)")
+                "same checkpoint_id (one directory, or identical copies of it) with the same sources= (copies that "
+                "are identical still differ when the ranks compose them differently)")
         return {r: [text] for r in range(len(opened))}
     ordered = sorted(by_hash.values(), key=lambda g: (-len(g), g))
     where = opened[0][1]
