@@ -107,3 +107,16 @@ def test_an_object_storage_destination_is_refused_at_once(tmp_path, capsys):
     assert code == 2 and "dst 's3://bucket/out' is not a local directory" in err and "upload it" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert not Path("s3:").exists()
+
+
+@pytest.mark.parametrize("length", [200, 255])
+def test_a_long_valid_destination_name_converts(tmp_path, length):
+    """A DST name of up to 255 bytes is valid; the lock and temporary names beside it must
+    not exceed the limit (they failed with ENAMETOOLONG naming the temporary path)."""
+    src = _src(tmp_path)
+    dst = tmp_path / ("d" * length)
+    dcp_load.convert(str(src), str(dst), to="native")
+    # the new name is left as asked, nothing else beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src", dst.name])
+    loaded = dcp_load.read_state_dict(str(dst))
+    assert all(torch.equal(loaded[f"t{i}"], torch.full((300,), float(i))) for i in range(4))

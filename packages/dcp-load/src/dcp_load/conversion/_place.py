@@ -19,6 +19,7 @@ lock.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -76,8 +77,19 @@ def _check_dst(src_real: str | None, dst: str, overwrite: bool) -> str:
     return dst_abs
 
 
+#: Longest name a file system takes for one path component (ext4, xfs, btrfs: 255 bytes).
+_NAME_MAX = 255
+
+
 def _beside(dst: str, what: str) -> str:
-    return os.path.join(os.path.dirname(dst), f".{os.path.basename(dst)}.{what}")
+    """``.<dst's name>.<what>`` in dst's parent; a name too long for that (a valid DST of
+    up to 255 bytes gains the prefix and suffix) keeps its start and a hash of the whole."""
+    base = os.path.basename(dst)
+    name = f".{base}.{what}"
+    if len(os.fsencode(name)) > _NAME_MAX:
+        digest = hashlib.sha1(os.fsencode(base)).hexdigest()[:16]
+        name = f".{base[:80]}-{digest}.{what}"
+    return os.path.join(os.path.dirname(dst), name)
 
 
 def new_temporary(dst: str) -> str:
