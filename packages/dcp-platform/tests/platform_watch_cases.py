@@ -72,12 +72,16 @@ def watch_cases(rank: int, world: int) -> dict[str, Any]:
     out["control"] = {"gathered": gathered, "groups_added": len(c10d._world.pg_map) - before,
                       "is_gloo": nccl_like._control_group() is not None}
 
-    # Rank 1 publishes a failure; the others, waiting on a local event, raise it.
+    # Rank 1 publishes a failure; the others, waiting on a local event, raise it. A rank
+    # still polling for the arrival when the abort lands raises it from ``arrive``: both
+    # are the same outcome, so the arrival is inside the timed call.
     with Watch(p, "t/abort", **FAST) as w:
-        w.arrive(10.0)
         if rank == 1:
+            w.arrive(10.0)
             w.abort({1: ["boom on rank 1"]})
-        out["abort"] = _timed(lambda: w.wait_event(threading.Event()) if rank != 1 else None)
+            out["abort"] = _timed(lambda: None)
+        else:
+            out["abort"] = _timed(lambda: (w.arrive(10.0), w.wait_event(threading.Event())))
     return out
 
 
