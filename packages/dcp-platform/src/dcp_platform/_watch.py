@@ -58,10 +58,20 @@ HEARTBEAT_S = 2.0
 STALE_S = 10.0
 #: Longest single blocking wait on a handle between checks of the abort flag.
 SLICE_S = 0.5
-#: Store polls while waiting for a key: the first after this long, then twice as long each
-#: time, up to POLL_MAX_S.
+#: Store polls while waiting for a key: the first after ``first_pause(world)``, then twice
+#: as long each time, up to POLL_MAX_S. POLL_MIN_S is the longest first pause.
 POLL_MIN_S = 0.01
 POLL_MAX_S = 1.0
+#: The first pause per 16 ranks. A fixed 10 ms made every load's arrival cost a 10 ms sleep
+#: on the rank that came first (2 gloo ranks, a 1 MiB load: 26 ms, of which 10.8 ms in the
+#: arrival; benchmarks/bench_tp.py), while 16 ranks polling every 0.5 ms send a store about
+#: 32k checks a second for the first milliseconds only, and larger worlds start slower.
+POLL_FIRST_PER_16_S = 0.0005
+
+
+def first_pause(world: int) -> float:
+    """The first store poll's pause for a wait that ``world`` ranks may share."""
+    return min(POLL_MIN_S, POLL_FIRST_PER_16_S * max(1, -(-world // 16)))
 
 
 class PeerFailure(RuntimeError):
@@ -209,7 +219,7 @@ class Watch:
         if self._store.add(self._key("arrived"), 1) >= self.world:
             self._store.set(self._key("all"), "1")
         end = time.monotonic() + timeout
-        pause = POLL_MIN_S
+        pause = first_pause(self.world)
         while not self._store.check([self._key("all")]):
             cause = self._read_abort()
             if cause is not None:
@@ -307,7 +317,7 @@ class Watch:
             self._cleanup.extend((count, done))
         if self._store.add(count, 1) >= len(ranks):
             self._store.set(done, "1")
-        start, pause = time.monotonic(), POLL_MIN_S
+        start, pause = time.monotonic(), first_pause(len(ranks))
         while not self._store.check([done]):
             self.check()
             self._check_stall(start, "a barrier")

@@ -114,7 +114,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     hosts: Sequence[Any] | None = None
     if broadcast:
         hosts = (HostBlocks(world, local_world) if decided.hosts_derived
-                 else gather_hosts(platform, host, watch))
+                 else [host] * world if decided.one_host else gather_hosts(platform, host, watch))
     plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
                          same_host_reads=same_host_reads)
     logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,

@@ -1,14 +1,17 @@
 """Agreeing on a derived plan with a fixed-size digest instead of gathering wants.
 
-Each rank sends two all-reduces of a few int64 lanes, whatever the number of tensors or
+Each rank sends one SUM all-reduce of a few int64 lanes, whatever the number of tensors or
 ranks (``LANES_BYTES``):
 
-* MAX over ``[e..., -e..., -derivable, error]``: ``e`` are hashes every rank must share
-  (checkpoint metadata, settings, how hosts are known), so max == min means they agree;
-  ``-derivable`` gives the minimum of the derivable flags (all-or-nothing), ``error``
-  whether any rank already failed.
-* SUM of two hashes (mod the prime 2**61 - 1, each sent as two 31-bit halves so that the
-  int64 sum cannot overflow below 2**32 ranks):
+* *equality*: for each hash every rank must share (checkpoint metadata, settings, how
+  hosts are known, and the host id), each of its three 21-bit chunks ``c`` as ``c`` and
+  ``c * c``: all ranks had the same chunk exactly when ``world * sum(c * c) == sum(c) ** 2``
+  (Cauchy-Schwarz; the sums fit int64 below 2**21 ranks). Equal host ids need no gather.
+* *flags*: the derivable flags (all or nothing: the sum is the world), whether any rank
+  already failed, whether any rank leads a name for the tied-weights count below, and a
+  random nonce whose sum every rank receives alike.
+* two hashes (mod the prime 2**61 - 1, each sent as two 31-bit halves so that the int64
+  sum cannot overflow below 2**32 ranks):
   - *holders*: each rank adds ``H(e) * g(rank)`` for every entry ``e`` it holds, and the
     lowest holder of ``e`` subtracts ``H(e) * sum(g(m) for m in e's holders)``. The sum is
     zero exactly when every rank that holds an entry holds it with the same spec (name,
@@ -21,11 +24,12 @@ ranks (``LANES_BYTES``):
 A name held on two meshes that do not know each other (a tied embedding on the first and
 last pipeline stages) passes both checks, since each mesh is consistent in itself: so one
 holder of each (name, layout), chosen by the name's hash, counts it in the job's store
-(``TCPStore.add`` under a key shared through the first all-reduce), and a third
-all-reduce (MAX of "a name was counted twice") sends such a job to the gathered path;
-after it each leader deletes its keys. Layouts held by every rank are not counted. The
-store traffic per rank is the names it leads, each added and deleted: about tensors /
-holders per mesh, for names not held by the whole world.
+(``TCPStore.add`` under a key made of the nonce), an all-reduce makes sure every count is
+in, and another (MAX of "a name was counted twice") sends such a job to the gathered path;
+after it each leader deletes its keys. Layouts held by every rank are not counted, and when
+no rank counts a name (every layout spans the world) neither all-reduce is made. The store
+traffic per rank is the names it leads, each added and deleted: about tensors / holders per
+mesh, for names not held by the whole world.
 
 With a ``watch`` (``dcp_platform.Watch``), every all-reduce and gather here waits in
 slices bounded by it: a rank that died makes the others raise ``PeerFailure``.
@@ -60,9 +64,11 @@ logger = logging.getLogger(__name__)
 
 PRIME = (1 << 61) - 1
 _HALF = 31
-_EQUAL = 3  # metadata, settings, host mode
-#: bytes each rank sends for the digest: 2 * 3 + 2 equal/flag lanes, 4 sum lanes
-LANES_BYTES = 8 * (2 * _EQUAL + 3) + 8 * 4 + 8
+_CHUNK = 21  # a 61-bit hash as three chunks whose squares, summed over < 2**21 ranks, fit int64
+_EQUAL = 4  # metadata, settings, host mode, host id
+#: bytes each rank sends for the digest: 6 lanes per value every rank must share, the
+#: derivable and failed flags, the nonce, the counted flag, 2 holders and 2 hosts lanes
+LANES_BYTES = 8 * (6 * _EQUAL + 4 + 4)
 
 #: default process group -> its gloo twin; kept for the process's life like the group it
 #: mirrors (creating one is a collective, so it is not repeated per load).
@@ -206,11 +212,34 @@ def local_world_size() -> int:
 
 # -- the agreement ---------------------------------------------------------------------
 class Agreement:
-    """What the digest exchange decided: plan derived (every rank can) or gathered, and
-    whether the hosts derived from ``$LOCAL_WORLD_SIZE`` hold (else gather host ids)."""
+    """What the digest exchange decided: plan derived (every rank can) or gathered, whether
+    the hosts derived from ``$LOCAL_WORLD_SIZE`` hold (else gather host ids), and whether
+    every rank reported one host id (then there is nothing to gather either)."""
 
-    def __init__(self, derived: bool, hosts_derived: bool):
-        self.derived, self.hosts_derived = derived, hosts_derived
+    def __init__(self, derived: bool, hosts_derived: bool, one_host: bool = False):
+        self.derived, self.hosts_derived, self.one_host = derived, hosts_derived, one_host
+
+
+def _countable(entries: Sequence[Derived], world: int) -> bool:
+    """Whether ``_count_names`` would count any of ``entries`` (a layout not held by every rank)."""
+    return any(e.holders and len(e.holders) < world for e in entries)
+
+
+def _equal_lanes(values: Sequence[int]) -> list[int]:
+    """Per value, for each of its three 21-bit chunks ``c``: ``c`` and ``c * c``."""
+    out = []
+    for v in values:
+        for k in range(3):
+            c = (int(v) >> (_CHUNK * k)) & ((1 << _CHUNK) - 1)
+            out += [c, c * c]
+    return out
+
+
+def _all_equal(sums: Sequence[int], world: int) -> list[bool]:
+    """From ``_equal_lanes``' sums over ``world`` ranks, per value whether every rank had
+    it: ``world * sum(c * c) == sum(c) ** 2`` exactly when every ``c`` is one value."""
+    chunks = [world * sums[i + 1] == sums[i] ** 2 for i in range(0, len(sums), 2)]
+    return [all(chunks[j:j + 3]) for j in range(0, len(chunks), 3)]
 
 
 def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, failed: bool,
@@ -223,28 +252,34 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     rank, world = platform.rank(), platform.world_size()
     shown = [text for _, text in equal]
     equal = [int(v) % PRIME for v, _ in equal]
-    nonce = secrets.randbelow(PRIME)
-    top = all_reduce(platform, [*equal, *(-v for v in equal), -int(derivable), int(failed), nonce], "max", watch)
-    n = len(equal)
-    same = all(top[i] == -top[n + i] for i in range(n))
-    if top[2 * n + 1] or top[2 * n] != -1:  # a rank failed or cannot derive: the gathered path
+    holders = holder_lane(entries, rank) if derivable else 0
+    hosts = host_lane(host, rank, world, local_world) if local_world else 0
+    lanes = [*_equal_lanes([*equal, digest(host)]), int(derivable), int(failed), secrets.randbelow(1 << _HALF),
+             int(_countable(entries, world)), *_split(holders), *_split(hosts)]
+    sums = all_reduce(platform, lanes, "sum", watch)
+    n, at = len(equal), 6 * (len(equal) + 1)
+    flags = _all_equal(sums[:at], world)
+    derivable_all, failed_any, nonce, counted = sums[at] == world, sums[at + 1] > 0, sums[at + 2], sums[at + 3] > 0
+    if failed_any or not derivable_all:  # a rank failed or cannot derive: the gathered path
         return Agreement(False, False)
-    keys = _count_names(entries, rank, world, top[2 * n + 2]) if same else []
-    try:
-        holders = holder_lane(entries, rank)
-        hosts = host_lane(host, rank, world, local_world) if local_world else 0
-        sums = all_reduce(platform, [*_split(holders), *_split(hosts)], "sum", watch)  # also: every count is in
-        if not same or _join(sums[0], sums[1]) != 0:
-            raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries, watch),
-                            "validate")
-        # Every rank reads its counts before it joins this all-reduce: after it, none reads.
-        twice = all_reduce(platform, [_twice(keys)], "max", watch)[0]
-    finally:
-        _forget(keys)
-    if twice:
+    if not all(flags[:n]) or _join(sums[at + 4], sums[at + 5]) != 0:
+        raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries, watch), "validate")
+    if counted and _counted_twice(platform, entries, rank, world, nonce % PRIME, watch):
         logger.debug("rank %d: a tensor is held on two meshes (tied weights); gathering wants", rank)
         return Agreement(False, False)
-    return Agreement(True, local_world > 0 and _join(sums[2], sums[3]) == 0)
+    return Agreement(True, local_world > 0 and _join(sums[at + 6], sums[at + 7]) == 0, flags[n])
+
+
+def _counted_twice(platform: Any, entries: Sequence[Derived], rank: int, world: int, nonce: int,
+                   watch: Any) -> bool:
+    """Whether a name was counted by two layouts (module docstring): two all-reduces, the
+    first so that every count is in before any rank reads, the second after every read."""
+    keys = _count_names(entries, rank, world, nonce)
+    try:
+        all_reduce(platform, [0], "sum", watch)
+        return bool(all_reduce(platform, [_twice(keys)], "max", watch)[0])
+    finally:
+        _forget(keys)
 
 
 def _store() -> Any:

@@ -149,7 +149,13 @@ class _ReadAheads:
         self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n), pool,
                                    device) for k, r in enumerate(self.readers)]
 
-    def start(self) -> None:
+    def start(self, inline: bool = False) -> None:
+        """Start the threads; ``inline``: one reader and nothing to feed, so its reads run
+        here, on the calling thread. Starting and joining a thread cost 1.5-3 ms per load
+        on 2 busy cores (cProfile of a 1 MiB load on 2 gloo ranks), a tenth of a small load."""
+        if inline and len(self.threads) == 1:
+            self.threads[0].run()
+            return
         for t in self.threads:
             t.start()
 
@@ -433,7 +439,7 @@ def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, 
 
     before = reader.bytes_read
     thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote, pool, device)
-    thread.start()
+    thread.start(inline=not items)
     broadcasts = sent = received = 0
     t0 = time.perf_counter()
     try:

@@ -208,6 +208,8 @@ class Prepared:
     wants: list[Want] = field(default_factory=list)
     by_value: dict[str, Any] = field(default_factory=dict)
     composed: list[tuple[str, int]] = field(default_factory=list)
+    #: broadcast groups the load made and closes once every rank finished (``finish``)
+    groups: Any = None
 
 
 def prepare(prep: Prepared, leaves: list[Any], errors: list[str], platform: Any, broadcast: bool, *,
@@ -296,20 +298,15 @@ def run_plan(coord: Coordinator, platform: Any, plan: Any, me: int, prep: Prepar
     rank = platform.rank()
     coord.phase = "execute"
     groups, close_groups = (ensure_groups(platform, plan, groups, coord.waiter) if derived else (groups, False))
-    done = False
+    if close_groups:
+        prep.groups = groups  # closed by finish, or by close on every other path
     try:
         stats = execute(platform, prep.reader, plan, me, {t.name: t for t in prep.targets}, batch_bytes=batch_bytes,
                         groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
-        done = True
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:
         raise LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
-    finally:
-        # On every path (KeyboardInterrupt and a peer's failure too): a group left open
-        # leaks. After a failure, no rank waits for the others to close.
-        if close_groups:
-            groups.close(wait_for_peers=done, raise_errors=done)
     phases.end("execute", stats.bytes_read + stats.bytes_received)
     return stats
 
@@ -372,6 +369,11 @@ def finish(coord: Coordinator, prep: Prepared, plan: Any, stats: Any, got: Mappi
     ``finish`` phase); (bytes the job read, its unique bytes)."""
     job_read, job_unique = coord.check(stats.errors, "execute", collective=collective,
                                        sums=(stats.bytes_read, plan.unique_bytes))
+    # Every rank has finished its broadcasts once it joined that exchange, so the groups
+    # close without the all-gather that GroupManager.close would otherwise make first.
+    groups, prep.groups = prep.groups, None
+    if groups is not None:
+        groups.close(wait_for_peers=False)
     for leaf in prep.values:
         leaf.replace(got[leaf.name])
     phases.end("finish")
@@ -379,7 +381,13 @@ def finish(coord: Coordinator, prep: Prepared, plan: Any, stats: Any, got: Mappi
 
 
 def close(prep: Prepared, phases: Phases) -> None:
-    """End the progress bar and close a reader the load opened (on every path)."""
+    """End the progress bar, close the groups (after a failure: ``finish`` closes them
+    otherwise) and a reader the load opened (on every path)."""
     phases.progress.close()
+    if prep.groups is not None:
+        # On every path (KeyboardInterrupt and a peer's failure too): a group left open
+        # leaks. After a failure, no rank waits for the others to close.
+        prep.groups.close(wait_for_peers=False, raise_errors=False)
+        prep.groups = None
     if prep.owned and prep.reader is not None:
         prep.reader.close()
