@@ -40,7 +40,7 @@ from ..run._shared_open import local_storage
 from ..run._validate import check_launch, exchange, summarise
 from ._queue import wait_for_previous
 
-__all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "write_files"]
+__all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "tidy", "write_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -304,9 +304,12 @@ def _save(coord: Coordinator, planned: PlannedSave, start: float) -> SaveReport:
     except BaseException:
         planned.writer.discard(files)
         raise
-    if planned.me == 0:
-        commit(planned.writer, planned.lock, planned.metadata(value_meta), errors)
+    metadata = planned.metadata(value_meta) if planned.me == 0 else None
+    if metadata is not None:
+        commit(planned.writer, planned.lock, metadata, errors, then_tidy=False)
     coord.check(errors, "save", collective=planned.collective)
+    if metadata is not None:  # committed on rank 0; the others need not wait for the tidy-up
+        tidy(planned.writer, planned.lock, metadata)
     seconds = time.perf_counter() - start
     nbytes = sum(i.nbytes for i in planned.mine)
     logger.debug("rank %d: saved %d chunk(s), %d bytes to %s in %.4f s", planned.rank, len(planned.mine), nbytes,
@@ -412,10 +415,10 @@ def write_files(planned: PlannedSave, data: dict[str, Any], errors: list[str]) -
     return files, value_meta
 
 
-def commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
+def commit(writer: Any, lock: Any, metadata: Any, errors: list[str], *, then_tidy: bool = True) -> None:
     """Rank 0: switch the directory to the new files (the metadata, in one rename), then
-    remove what the new metadata does not name. When the commit fails, the files the new
-    metadata names are removed: all carry this save's id, so none is the committed one's."""
+    (``then_tidy``) remove what the new metadata does not name. When the commit fails, the files
+    the new metadata names are removed: all carry this save's id, so none is the committed one's."""
     try:
         writer.commit(metadata)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
@@ -423,7 +426,14 @@ def commit(writer: Any, lock: Any, metadata: Any, errors: list[str]) -> None:
         new = {c.file for t in metadata.tensors.values() for c in t.chunks}
         writer.discard(sorted(new | {v.file for v in metadata.values.values() if v.file is not None}))
         return
-    try:  # committed: what follows only tidies up, and must not make this rank's outcome differ
+    if then_tidy:
+        tidy(writer, lock, metadata)
+
+
+def tidy(writer: Any, lock: Any, metadata: Any) -> None:
+    """Rank 0, after a commit, holding the lock: record it, remove the leftovers of earlier
+    saves. Never raises: the new checkpoint loads whatever happens here."""
+    try:
         lock.committed()
         writer.remove_stray(metadata)
     except Exception as exc:  # noqa: BLE001 - the new checkpoint loads; a leftover only costs space
