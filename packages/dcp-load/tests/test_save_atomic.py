@@ -129,6 +129,28 @@ def test_an_overwrite_switches_at_once_and_removes_the_old_files(saved):
     _assert_holds(saved, 2)
 
 
+def test_an_overwrite_syncs_the_new_files_but_not_the_parent_again(tmp_path, monkeypatch):
+    # the parent's fsync makes a directory the save created durable: a fresh save makes it,
+    # a save into a directory that already holds committed metadata does not need it
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "ckpt"
+    dcp_load.save(_state(1), checkpoint_id=path)
+    assert str(tmp_path) in synced, synced
+    synced.clear()
+    dcp_load.save(_state(2), checkpoint_id=path)
+    assert str(tmp_path) not in synced, synced
+    files = {os.path.basename(p) for p in synced if p.startswith(str(path) + os.sep)}
+    assert any(".safetensors" in n for n in files) and any(METADATA_FILE in n for n in files), synced
+    _assert_holds(path, 2)
+
+
 def test_leftovers_are_reported_then_removed_by_the_next_save(saved, capsys):
     dcp_load.save({**_state(1), "sched": Schedule()}, checkpoint_id=saved, allow_pickle=True)
     pickles = [n for n in os.listdir(saved) if n.endswith(".pkl")]
