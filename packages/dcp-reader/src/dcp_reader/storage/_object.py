@@ -2,7 +2,8 @@
 
 obstore (Rust ``object_store``) releases the GIL while a request runs, so one Python thread
 per GET in flight costs little. A range is cut into GETs of ``part_bytes``; ranges closer
-than ``coalesce_gap`` share one GET; at most ``concurrency`` run at once per read. Each
+than ``coalesce_gap`` share one GET while the gaps read stay within ``max_overread`` of the
+wanted bytes (``_parts``: a request's price against a byte's); at most ``concurrency`` run at once per read. Each
 response is copied into the caller's buffer (the destination tensor where the reader reads
 in place) piece by piece as it arrives (``STREAM_BYTES``), so a read holds at most
 ``concurrency`` such pieces, whatever the size of the range.
@@ -488,14 +489,14 @@ class ObjectStorage:
               etag: str | None = None) -> int:
         """Fill each (offset, view) of ``spans`` (ascending, not overlapping) with the
         object's bytes; returns the bytes fetched (gaps included). Coalesces spans closer
-        than ``coalesce_gap``, cuts the result into GETs of at most ``part_bytes`` and runs
+        than ``coalesce_gap`` while the gaps stay within ``max_overread`` (``_parts``), cuts the result into GETs of at most ``part_bytes`` and runs
         up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``.
         Each response is copied into ``spans`` as it arrives, in pieces of ``STREAM_BYTES``,
         so the memory held is bounded by ``concurrency`` pieces whatever the range. With
         ``etag`` (the version the caller opened), every GET is pinned to it: another version
         raises ObjectChangedError, and no byte of it is copied. A failed fetch may leave
         part of ``spans`` filled (with this version's bytes), the rest as it was."""
-        parts = _parts(spans, self.options.part_bytes, self.options.coalesce_gap)
+        parts = _parts(spans, self.options.part_bytes, self.options.coalesce_gap, self.options.max_overread)
         if not parts:  # only empty spans
             return 0
         deadline = time.monotonic() + self.options.total_timeout
@@ -597,18 +598,50 @@ def _copy(part: tuple[int, int], body: memoryview, spans: Sequence[tuple[int, me
         i += 1
 
 
-def _parts(spans: Sequence[tuple[int, memoryview]], part_bytes: int, gap: int) -> list[tuple[int, int]]:
+#: The prices that decide which gaps one GET reads through (``_parts``): a GET's latency and
+#: one stream's bandwidth. Assumed for real S3 (20-50 ms a request, ~100 MB/s a stream: the
+#: dcp-reader README, "Object storage"; moto on loopback answers in ~1-3 ms, which would
+#: undervalue a request). A gap is read through only when its bytes cost less than a
+#: request: below ``REQUEST_S * STREAM_BYTES_PER_S`` (3 MB), and ``coalesce_gap`` caps it.
+REQUEST_S = 0.03
+STREAM_BYTES_PER_S = 100e6
+
+
+def _parts(spans: Sequence[tuple[int, memoryview]], part_bytes: int, gap: int,
+           max_overread: float = 0.05) -> list[tuple[int, int]]:
     """The GETs that cover ``spans``: near spans merged, each merged range cut into equal
-    parts of at most ``part_bytes``."""
+    parts of at most ``part_bytes``. A gap is read through (one GET instead of two) when it
+    is at most ``gap`` bytes and cheaper than a request (``REQUEST_S``), smallest gaps
+    first, while the gap bytes read stay within ``max_overread`` x the wanted bytes: gaps
+    are usually bytes other ranks own (the other column shards of a row-major tensor), so
+    reading them fetches them twice in the job."""
+    ranges = sorted((off, off + len(view)) for off, view in spans if len(view))
+    if not ranges:
+        return []
+    wanted = sum(hi - lo for lo, hi in ranges)
+    limit = min(gap, int(REQUEST_S * STREAM_BYTES_PER_S))
+    budget = max_overread * wanted
+    joined = [False] * len(ranges)  # joined[i]: range i shares the GET of range i - 1
+    reach = ranges[0][1]
+    gaps = []
+    for i in range(1, len(ranges)):
+        g = ranges[i][0] - reach
+        if g <= 0:
+            joined[i] = True  # touching or overlapping: free
+        elif g <= limit:
+            gaps.append((g, i))
+        reach = max(reach, ranges[i][1])
+    for g, i in sorted(gaps):
+        if g > budget:
+            break
+        budget -= g
+        joined[i] = True
     merged: list[list[int]] = []
-    for off, view in spans:
-        end = off + len(view)
-        if end == off:
-            continue
-        if merged and off - merged[-1][1] <= gap:
-            merged[-1][1] = max(merged[-1][1], end)
+    for (lo, hi), j in zip(ranges, joined, strict=True):
+        if merged and j:
+            merged[-1][1] = max(merged[-1][1], hi)
         else:
-            merged.append([off, end])
+            merged.append([lo, hi])
     parts = []
     for lo, hi in merged:
         n = -(-(hi - lo) // part_bytes)

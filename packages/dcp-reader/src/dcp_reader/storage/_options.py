@@ -23,6 +23,10 @@ class ObjectOptions:
       (dcp-load: each on its own thread and reader).
     - ``coalesce_gap`` (``DCP_STORAGE_COALESCE_GAP``): two ranges at most this far apart are
       fetched by one GET (the gap is read and dropped: cheaper than another round trip).
+    - ``max_overread`` (``DCP_STORAGE_MAX_OVERREAD``): the gap bytes one read fetches stay
+      within this fraction of the bytes it wants (0.05: a rank fetches at most 1.05 x what
+      it needs; gaps are mostly bytes other ranks own, so the job would fetch them twice);
+      the smallest gaps are read through first.
     - ``stall_timeout`` (``DCP_STORAGE_STALL_TIMEOUT``, seconds): a response that sends no
       byte for this long is abandoned and retried.
     - ``total_timeout`` (``DCP_STORAGE_TOTAL_TIMEOUT``, seconds): one read or write, with
@@ -33,6 +37,7 @@ class ObjectOptions:
     concurrency: int = 16
     readers: int = 8
     coalesce_gap: int = 1 * MiB
+    max_overread: float = 0.05
     stall_timeout: float = 30.0
     total_timeout: float = 300.0
 
@@ -44,6 +49,9 @@ class ObjectOptions:
             v, least = getattr(self, f), 0 if f == "coalesce_gap" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{f} must be an int >= {least}, got {v!r}")
+        m = self.max_overread
+        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m < float("inf"):
+            raise ValueError(f"max_overread must be a number >= 0 (a fraction of the wanted bytes), got {m!r}")
         for f in ("stall_timeout", "total_timeout"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"{f} must be > 0 seconds, got {getattr(self, f)!r}")
