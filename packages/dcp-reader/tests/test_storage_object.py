@@ -34,7 +34,7 @@ def spans(draw: st.DrawFn) -> list[tuple[int, int]]:
 @settings(max_examples=300, deadline=None)
 def test_parts_cover_every_span_within_the_part_size(sp, part, gap):
     views = [(o, _FakeView(n)) for o, n in sp]  # only the lengths matter here
-    parts = _parts(views, part, gap)
+    parts = _parts(views, part, gap, 1.0)
     assert all(0 < hi - lo <= part for lo, hi in parts)
     assert all(a[1] <= b[0] for a, b in zip(parts, parts[1:], strict=False)), "parts overlap or are unordered"
     for o, n in sp:  # every byte of every span lies in some part

@@ -2,9 +2,9 @@
 
 obstore (Rust ``object_store``) releases the GIL while a request runs, so one Python thread
 per GET in flight costs little. A range is cut into GETs of ``part_bytes``; ranges closer
-than ``coalesce_gap`` share one GET while the gaps read stay within ``max_overread`` of the
-wanted bytes (``_parts``: a request's price against a byte's); at most ``concurrency`` run at once per read. Each
-response is copied into the caller's buffer (the destination tensor where the reader reads
+than ``coalesce_gap`` share one GET while the gaps read stay within ``max_overread`` of
+the wanted bytes (``_parts``: a request's price against a byte's); at most ``concurrency``
+run at once per read. Each response is copied into the caller's buffer (the destination tensor where the reader reads
 in place) piece by piece as it arrives (``STREAM_BYTES``), so a read holds at most
 ``concurrency`` such pieces, whatever the size of the range.
 
@@ -489,8 +489,9 @@ class ObjectStorage:
               etag: str | None = None) -> int:
         """Fill each (offset, view) of ``spans`` (ascending, not overlapping) with the
         object's bytes; returns the bytes fetched (gaps included). Coalesces spans closer
-        than ``coalesce_gap`` while the gaps stay within ``max_overread`` (``_parts``), cuts the result into GETs of at most ``part_bytes`` and runs
-        up to ``concurrency`` of them at once; every wait is bounded by ``total_timeout``.
+        than ``coalesce_gap`` while the gaps stay within ``max_overread`` (``_parts``), cuts
+        the result into GETs of at most ``part_bytes`` and runs up to ``concurrency`` of them
+        at once; every wait is bounded by ``total_timeout``.
         Each response is copied into ``spans`` as it arrives, in pieces of ``STREAM_BYTES``,
         so the memory held is bounded by ``concurrency`` pieces whatever the range. With
         ``etag`` (the version the caller opened), every GET is pinned to it: another version
@@ -608,7 +609,7 @@ STREAM_BYTES_PER_S = 100e6
 
 
 def _parts(spans: Sequence[tuple[int, memoryview]], part_bytes: int, gap: int,
-           max_overread: float = 0.05) -> list[tuple[int, int]]:
+           max_overread: float) -> list[tuple[int, int]]:
     """The GETs that cover ``spans``: near spans merged, each merged range cut into equal
     parts of at most ``part_bytes``. A gap is read through (one GET instead of two) when it
     is at most ``gap`` bytes and cheaper than a request (``REQUEST_S``), smallest gaps
