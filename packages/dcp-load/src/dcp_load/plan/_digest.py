@@ -52,13 +52,14 @@ import logging
 import os
 import secrets
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import LoadError, format_ranks
 from ._derive import Derived
 
-__all__ = ["LANES_BYTES", "Agreement", "agree", "checkpoint_causes", "control_group", "gather_hosts"]
+__all__ = ["LANES_BYTES", "Agreement", "agree", "all_equal", "all_reduce", "checkpoint_causes", "control_group", "digest",
+           "equal_lanes", "gather_hosts", "start_all_reduce"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,14 @@ def _torch(platform: Any) -> bool:
 def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> list[int]:
     """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU; with ``watch``
     (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died)."""
+    return start_all_reduce(platform, lanes, op, watch)()
+
+
+def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> Callable[[], list[int]]:
+    """``all_reduce`` begun: returns the call that waits for it and returns the result (the
+    caller works meanwhile, and must make that call, on failure too: the collective is in
+    flight on every rank). On torch the reduction runs on the process group's own thread;
+    other platforms gather here, before returning."""
     if _torch(platform):
         import torch
         import torch.distributed as dist
@@ -167,15 +176,19 @@ def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) 
         t = torch.tensor(list(lanes), dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                group=control_group(platform), async_op=True)
-        if watch is not None:
-            watch.wait(work)
-        else:
-            work.wait()
-        return [int(v) for v in t.tolist()]
+
+        def wait() -> list[int]:
+            if watch is not None:
+                watch.wait(work)
+            else:
+                work.wait()
+            return [int(v) for v in t.tolist()]
+        return wait
     # Other platforms gather (each rank still sends only its lanes) and reduce here.
     gathered = gather(platform, list(lanes), watch)
     reduce = max if op == "max" else sum
-    return [reduce(col) for col in zip(*gathered, strict=True)]
+    result = [reduce(col) for col in zip(*gathered, strict=True)]
+    return lambda: result
 
 
 def gather(platform: Any, obj: Any, watch: Any = None) -> list[Any]:
@@ -225,7 +238,7 @@ def _countable(entries: Sequence[Derived], world: int) -> bool:
     return any(e.holders and len(e.holders) < world for e in entries)
 
 
-def _equal_lanes(values: Sequence[int]) -> list[int]:
+def equal_lanes(values: Sequence[int]) -> list[int]:
     """Per value, for each of its three 21-bit chunks ``c``: ``c`` and ``c * c``."""
     out = []
     for v in values:
@@ -235,8 +248,8 @@ def _equal_lanes(values: Sequence[int]) -> list[int]:
     return out
 
 
-def _all_equal(sums: Sequence[int], world: int) -> list[bool]:
-    """From ``_equal_lanes``' sums over ``world`` ranks, per value whether every rank had
+def all_equal(sums: Sequence[int], world: int) -> list[bool]:
+    """From ``equal_lanes``' sums over ``world`` ranks, per value whether every rank had
     it: ``world * sum(c * c) == sum(c) ** 2`` exactly when every ``c`` is one value."""
     chunks = [world * sums[i + 1] == sums[i] ** 2 for i in range(0, len(sums), 2)]
     return [all(chunks[j:j + 3]) for j in range(0, len(chunks), 3)]
@@ -254,11 +267,11 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     equal = [int(v) % PRIME for v, _ in equal]
     holders = holder_lane(entries, rank) if derivable else 0
     hosts = host_lane(host, rank, world, local_world) if local_world else 0
-    lanes = [*_equal_lanes([*equal, digest(host)]), int(derivable), int(failed), secrets.randbelow(1 << _HALF),
+    lanes = [*equal_lanes([*equal, digest(host)]), int(derivable), int(failed), secrets.randbelow(1 << _HALF),
              int(_countable(entries, world)), *_split(holders), *_split(hosts)]
     sums = all_reduce(platform, lanes, "sum", watch)
     n, at = len(equal), 6 * (len(equal) + 1)
-    flags = _all_equal(sums[:at], world)
+    flags = all_equal(sums[:at], world)
     derivable_all, failed_any, nonce, counted = sums[at] == world, sums[at + 1] > 0, sums[at + 2], sums[at + 3] > 0
     if failed_any or not derivable_all:  # a rank failed or cannot derive: the gathered path
         return Agreement(False, False)

@@ -95,19 +95,21 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
     with contextlib.ExitStack() as stack:
         coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save"))
         coord.arrive()
-        planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist)
+        planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist)
         if planned.me == 0:
             logger.info("async_save %s into %s: started (%d tensors, %d bytes)", planned.save_id, path,
                         len(planned.tensors), sum(t.nbytes for t in planned.tensors.values()))
+        staged: dict[str, Any] | None = None
         try:
-            t0 = time.perf_counter()
-            staged, nbytes = POOL.stage(box_data(planned), platform)
+            staged, nbytes, staging_s = _staged(planned, platform)
             if planned.encoded is not None:  # the inline values are the caller's objects: copy them too
                 planned.encoded = dataclasses.replace(planned.encoded, inline=copy.deepcopy(planned.encoded.inline))
         except BaseException:
             planned.release_lock()
+            if staged is not None:
+                POOL.done()
             raise
-        timings = {"staging_seconds": time.perf_counter() - t0, "staged_bytes": nbytes,
+        timings = {"staging_seconds": staging_s, "staged_bytes": nbytes,
                    "blocked_seconds": time.perf_counter() - start}
         if planned.me == 0:
             logger.info("async_save %s into %s: staged %d bytes in %.3f s; writing in the background",
@@ -120,6 +122,43 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
         _background(coord, background, planned, staged, timings, start, wait_s, future, inflight)
 
     return future, job
+
+
+def _plan(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str, allow_pickle: bool,
+          no_dist: bool) -> PlannedSave:
+    """``plan_save``, copying the boxes this rank wrote last time with the same holdings
+    while the ranks agree (the pool is free again when the plan fails)."""
+    early: list[Any] = []
+
+    def stage_early(data: dict[str, Any]) -> tuple[dict[str, Any], int, float]:
+        early.append(_stage(data, platform))
+        return early[-1]
+
+    try:
+        return plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist, while_agreeing=stage_early)
+    except BaseException:
+        if early:
+            POOL.done()
+        raise
+
+
+def _staged(planned: PlannedSave, platform: Any) -> tuple[dict[str, Any], int, float]:
+    """(copies of the boxes this rank writes, their bytes, the seconds copying took): those
+    copied while the ranks agreed when they are the boxes agreed on, else copied now."""
+    data = box_data(planned)
+    if planned.early is not None:
+        staged, nbytes, seconds = planned.early
+        if staged.keys() == data.keys() and all(tuple(staged[k].shape) == tuple(v.shape) for k, v in data.items()):
+            return staged, nbytes, seconds
+        POOL.done()  # the layout changed since this rank last wrote: copy what it writes now
+        logger.debug("async_save: the boxes staged early are not this save's; staging again")
+    return _stage(data, platform)
+
+
+def _stage(data: dict[str, Any], platform: Any) -> tuple[dict[str, Any], int, float]:
+    t0 = time.perf_counter()
+    staged, nbytes = POOL.stage(data, platform)
+    return staged, nbytes, time.perf_counter() - t0
 
 
 def _background(coord: Coordinator, stack: contextlib.ExitStack, planned: PlannedSave, staged: dict[str, Any],

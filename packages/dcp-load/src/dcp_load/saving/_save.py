@@ -20,11 +20,12 @@ the new one. Every wait is bounded by a ``Coordinator`` (``dcp-save/<n>``): arri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..plan._items import GreedyPlanner, ReadItem
 from ..run._coordinate import Coordinator, timeout_seconds
 from ..run._shared_open import local_storage
 from ..run._validate import check_launch, exchange, summarise
+from . import _agreed as agreed
 from ._queue import wait_for_previous
 
 __all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "tidy", "write_files"]
@@ -214,6 +216,7 @@ class PlannedSave:
     tensors: dict[str, Any]
     mine: list[ReadItem]
     targets: dict[str, Any]
+    early: Any = None  # what ``while_agreeing`` returned (``plan_save``), or None
 
     def release_lock(self) -> None:
         if self.lock is not None:
@@ -232,9 +235,14 @@ class PlannedSave:
 
 
 def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
-              allow_pickle: bool, no_dist: bool) -> PlannedSave:
+              allow_pickle: bool, no_dist: bool, while_agreeing: Callable[[dict[str, Any]], Any] | None = None
+              ) -> PlannedSave:
     """Every check of a save, once every rank arrived; ``LoadError`` on every rank when any
-    rank failed one (rank 0's lock is then released). Nothing is written here."""
+    rank failed one (rank 0's lock is then released). Nothing is written here.
+
+    ``while_agreeing(data)``: called, when this rank remembers what it wrote with the same
+    holdings (``_agreed``), with those boxes ({chunk key: values}) while the ranks agree;
+    what it returns is the plan's ``early`` (``async_save`` copies them there)."""
     from dcp_reader import NativeWriter
 
     rank = platform.rank()
@@ -246,22 +254,56 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
     holdings, targets, values = _hold(leaves, errors)
+    early = None
     try:
         if me == 0 and writer is not None:
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
-        gathered = coord.exchange(exchange, errors, "save", collective=collective,
-                                  payload=(holdings, sorted(values), save_id, path))
-        save_id = gathered[0][2]  # rank 0's: every rank names the files alike
-        tensors, per_rank, failures = _layout(gathered, save_id)
-        _agree(gathered, tensors, failures)
-        if failures:
-            raise LoadError(failures, "save")
+        world = platform.world_size() if collective else 1
+        gathered = None
+        if collective:  # the same holdings as a save before: one all-reduce instead of a gathering
+            pending = agreed.start(platform, coord.waiter, world=world, rank=rank, holdings=holdings,
+                                   values=sorted(values), path=path, save_id=save_id, failed=bool(errors))
+            early = _while(pending, while_agreeing, targets)
+            gathered = pending.result()
+        planned = _planned(coord, collective, gathered, (holdings, sorted(values), save_id, path), errors, world, me)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return PlannedSave(platform, collective, path, rank, platform.world_size() if collective else 1, me, writer,
-                       lock, encoded, save_id, tensors, per_rank.get(me, []), targets)
+    tensors, mine, save_id = planned
+    return PlannedSave(platform, collective, path, rank, world, me, writer, lock, encoded, save_id, tensors, mine,
+                       targets, early)
+
+
+def _while(pending: Any, while_agreeing: Any, targets: dict[str, Any]) -> Any:
+    """``while_agreeing`` of the boxes this rank guesses it writes, or None; a failure in it
+    waits for the agreement first (its collective is in flight on every rank)."""
+    if while_agreeing is None or pending.guess is None:
+        return None
+    try:
+        return while_agreeing(_box_data(pending.guess, targets))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            pending.result()
+        raise
+
+
+def _planned(coord: Coordinator, collective: bool, gathered: list[Any] | None, payload: tuple[Any, ...],
+             errors: list[str], world: int, me: int) -> tuple[dict[str, Any], list[ReadItem], str]:
+    """(tensors, this rank's items, save id) from the remembered gathering, or from a full
+    exchange (``gathered`` None: a first save, a change, a failure), which is then remembered."""
+    fresh = gathered is None
+    if fresh:
+        gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=payload)
+    save_id = gathered[0][2]  # rank 0's: every rank names the files alike
+    tensors, per_rank, failures = _layout(gathered, save_id)
+    if fresh:  # a remembered gathering passed these checks when it was made
+        _agree(gathered, tensors, failures)
+    if failures:
+        raise LoadError(failures, "save")
+    if fresh and collective:
+        agreed.remember(world, me, gathered, per_rank.get(me, []))
+    return tensors, per_rank.get(me, []), save_id
 
 
 def _agree(gathered: list[Any], tensors: dict[str, Any], failures: dict[int, list[str]]) -> None:
@@ -288,9 +330,13 @@ def _agree(gathered: list[Any], tensors: dict[str, Any], failures: dict[int, lis
 
 def box_data(planned: PlannedSave) -> dict[str, Any]:
     """{chunk key: the values of the box} of every box this rank writes (views, not copies)."""
+    return _box_data(planned.mine, planned.targets)
+
+
+def _box_data(items: list[ReadItem], targets: dict[str, Any]) -> dict[str, Any]:
     from dcp_reader import chunk_key
 
-    return {chunk_key(i.name, i.offsets): planned.targets[i.name].values(i.offsets, i.sizes) for i in planned.mine}
+    return {chunk_key(i.name, i.offsets): targets[i.name].values(i.offsets, i.sizes) for i in items}
 
 
 def _save(coord: Coordinator, planned: PlannedSave, start: float) -> SaveReport:
