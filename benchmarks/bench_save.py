@@ -9,8 +9,8 @@ one repeat to the next (alternating), after one warm-up round that is not counte
 into its own new directory; a time is the
 slowest rank's (each rank times its own call between two barriers); the table gives the
 median over repeats. For the async savers: the time the call blocked, and the time to the
-future's result. Beside them: a memcpy of the bytes the rank writes (into a warm buffer),
-the memory each async saver holds at return (dcp: its staging pool; torch: the growth of
+future's result. Beside them, in the same rotation and timed the same way: a memcpy of the
+bytes the rank writes into a warm buffer (the floor of taking a snapshot), the memory each async saver holds at return (dcp: its staging pool; torch: the growth of
 RSS over its first counted call), and dcp's six async saves in a row (RSS growth from
 the first, threads left).
 
@@ -124,14 +124,20 @@ def _savers() -> dict[str, Any]:
             "torch async process": torch_async(AsyncCheckpointerType.PROCESS)}
 
 
-def _memcpy(nbytes: int) -> float:
+def _memcpy_saver(nbytes: int) -> Any:
+    """A "saver" that copies ``nbytes`` (the bytes this rank writes) into a warm buffer: the
+    floor of a snapshot, timed in the same rotation, between the same barriers, as the savers."""
     import torch
 
     src, dst = torch.ones(max(nbytes, 1), dtype=torch.uint8), torch.zeros(max(nbytes, 1), dtype=torch.uint8)
     dst.copy_(src)  # warm: the staging pool is reused from one save to the next too
-    t0 = time.perf_counter()
-    dst.copy_(src)
-    return time.perf_counter() - t0
+
+    def run(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        took = time.perf_counter() - t0
+        return took, took, {}
+    return run
 
 
 def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip: list[str]) -> dict[str, Any]:
@@ -144,6 +150,10 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
     out: dict[str, Any] = {}
     for layout in ("dp2tp2", "fsdp4"):
         sd = _state(layout, size_mib)
+        import dcp_load
+
+        written = dcp_load.save(sd, checkpoint_id=os.path.join(root, f"{layout}-bytes")).bytes_written
+        savers["memcpy"] = _memcpy_saver(written)
         res: dict[str, Any] = {"held": _local_bytes(sd), "times": {k: [] for k in savers}, "info": {}}
         names = list(savers)
         for rep in range(-1, repeats):  # -1: a warm-up round, not counted (first-call costs, a cold pool)
@@ -159,7 +169,7 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
                 if rep >= 0:
                     res["times"][k].append((blocked, done))
                     res["info"].setdefault(k, info)
-        res["memcpy"] = _memcpy(res["info"]["dcp save"].get("written", 0)) if "dcp save" in savers else None
+        del savers["memcpy"]  # the next layout's bytes differ
         out[layout] = res
     out["six"] = _six_in_a_row(root, size_mib)
     return out
@@ -190,7 +200,8 @@ def _table(per_rank: list[dict[str, Any]], size_mib: int) -> list[str]:
             done = [max(p[layout]["times"][k][i][1] for p in per_rank) for i in range(reps)]
             med[k] = (statistics.median(blocked), statistics.median(done))
         written = max(p[layout]["info"].get("dcp save", {}).get("written", 0) for p in per_rank)
-        memcpy = max(p[layout]["memcpy"] or 0 for p in per_rank)
+        memcpy = med.pop("memcpy")[0]
+        kinds.remove("memcpy")
         lines.append(f"{layout}: per rank {r0['held'] / MiB:.0f} MiB held, at most {written / MiB:.0f} MiB written; "
                      f"memcpy of those bytes {memcpy:.3f} s")
         for k in kinds:
