@@ -110,3 +110,64 @@ def refusals_after_remembering(rank: int, world: int, root: str) -> dict[str, An
     dcp_load.save(base.state(5), checkpoint_id=path)
     out["holds_5"] = base.holds(path, 5)
     return out
+
+
+def alternating_kinds(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A model-only save and a full save (rank 0 alone holds one tensor more) alternate
+    into two directories: after the first of each kind, neither gathers again; what a rank
+    keeps of a layout is digests, its own items and (rank 0 only) the tensor metadata."""
+    import dcp_load
+    from dcp_load.saving import _agreed
+
+    counts, per_save, holds = Counts(), [], []
+    for i in range(6):
+        gen, full = 10 + i, i % 2 == 1
+        sd = _with_extra(gen, 3) if full and rank == 0 else base.state(gen)
+        path = os.path.join(root, "full" if full else "model")
+        (dcp_load.async_save(sd, checkpoint_id=path).result(timeout=60) if i % 3 else
+         dcp_load.save(sd, checkpoint_id=path))
+        per_save.append(counts.take()[0])
+        holds.append(base.holds(path, gen))
+    kept = list(_agreed._REMEMBERED)
+    return {"exchanges": per_save, "holds": holds, "kept": len(kept),
+            "metadata_kept": [e.tensors is not None for e in kept],
+            "fields": sorted(vars(kept[0])) if kept else []}
+
+
+def slow_early_copy(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 3 changes what it holds, so it gathers at once, while the others, remembering
+    the last layout, start copying their boxes early, each box slowed to 2.5 s: they stop
+    once the agreement shows a change, so the save takes seconds, not the 7.5 s or more the
+    early copies would take (nor fails the wait of rank 3 in its gathering)."""
+    import time
+
+    import dcp_load
+    from dcp_load.saving import _async, _staging
+
+    path = os.path.join(root, "ckpt")
+    dcp_load.save(base.state(1), checkpoint_id=path)
+    real_copy, real_stage = _staging._copy_into, _async._stage
+    early = [False]
+
+    def copy_slowly(buf: Any, value: Any, *rest: Any) -> Any:
+        if early[0]:
+            time.sleep(2.5)
+        return real_copy(buf, value, *rest)
+
+    def stage(data: Any, platform: Any, stop: Any = None) -> Any:
+        early[0] = stop is not None  # only the early copy is slow; the copy after agreeing is not
+        try:
+            return real_stage(data, platform, stop)
+        finally:
+            early[0] = False
+
+    _staging._copy_into, _async._stage = copy_slowly, stage
+    try:
+        t0 = time.monotonic()
+        fut = dcp_load.async_save(_with_extra(2, rank), checkpoint_id=path, timeout=60)
+        out = outcome(lambda: fut.result(timeout=120))
+        out["took"] = time.monotonic() - t0
+    finally:
+        _staging._copy_into, _async._stage = real_copy, real_stage
+    out["holds_2"], out["extra_2"] = base.holds(path, 2), _extra_holds(path, 2)
+    return out

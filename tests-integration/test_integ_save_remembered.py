@@ -6,7 +6,10 @@ real gloo ranks:
 * one rank changing what it holds makes every rank gather again, a rank whose boxes moved
   copies again, nothing is lost (the new tensor and every moved box load back);
 * refusals still come on every rank after a remembered save: different directories, a
-  lock held by another writer (at the call of async_save; the pool is free for the next).
+  lock held by another writer (at the call of async_save; the pool is free for the next);
+* two kinds of save alternating (a rank holding the same in both) take the fast path after
+  the first of each, and a rank keeps digests and its own items, not the others' holdings;
+* a rank that gathers does not wait for the others' early copies: they stop.
 """
 
 from __future__ import annotations
@@ -44,3 +47,20 @@ def test_refusals_still_come_on_every_rank_after_a_remembered_save(tmp_path):
         err = out["locked"]["error"]
         assert err and err["type"] == "LoadError" and err["ranks"] == [0], (rank, out)
         assert out["holds_4"] and out["holds_5"], (rank, out)
+
+
+def test_two_kinds_of_save_alternating_both_skip_the_gathering(tmp_path):
+    outs = run_ranks(cases.alternating_kinds, 4, str(tmp_path), timeout=300, pg_timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["exchanges"] == [1, 1, 0, 0, 0, 0], (rank, out)
+        assert all(out["holds"]), (rank, out)
+        assert out["kept"] == 2 and out["metadata_kept"] == [rank == 0] * 2, (rank, out)
+        assert "holdings" not in out["fields"] and "gathered" not in out["fields"], out
+
+
+def test_a_rank_that_gathers_does_not_wait_for_the_others_early_copies(tmp_path):
+    outs = run_ranks(cases.slow_early_copy, 4, str(tmp_path), timeout=300, pg_timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["error"] is None, (rank, out)
+        assert out["took"] < 6, (rank, out)  # at most one slow box: all of them would take >= 7.5 s
+        assert out["holds_2"] and out["extra_2"], (rank, out)

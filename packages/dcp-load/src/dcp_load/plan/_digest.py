@@ -52,14 +52,14 @@ import logging
 import os
 import secrets
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._errors import LoadError, format_ranks
 from ._derive import Derived
 
 __all__ = ["LANES_BYTES", "Agreement", "agree", "all_equal", "all_reduce", "checkpoint_causes", "control_group", "digest",
-           "equal_lanes", "gather_hosts", "start_all_reduce"]
+           "equal_lanes", "gather_hosts", "Reduction", "start_all_reduce"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +161,33 @@ def _torch(platform: Any) -> bool:
 def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> list[int]:
     """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU; with ``watch``
     (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died)."""
-    return start_all_reduce(platform, lanes, op, watch)()
+    return start_all_reduce(platform, lanes, op, watch).result()
 
 
-def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> Callable[[], list[int]]:
-    """``all_reduce`` begun: returns the call that waits for it and returns the result (the
-    caller works meanwhile, and must make that call, on failure too: the collective is in
-    flight on every rank). On torch the reduction runs on the process group's own thread;
-    other platforms gather here, before returning."""
+class Reduction:
+    """An ``all_reduce`` in flight (``start_all_reduce``): ``ready()`` says, without waiting,
+    whether it completed; ``result()`` waits for it (bounded by the watch) and returns it."""
+
+    def __init__(self, work: Any, tensor: Any, watch: Any, done: list[int] | None = None):
+        self._work, self._t, self._watch, self._done = work, tensor, watch, done
+
+    def ready(self) -> bool:
+        return self._done is not None or bool(self._work.is_completed())
+
+    def result(self) -> list[int]:
+        if self._done is None:
+            if self._watch is not None:
+                self._watch.wait(self._work)
+            else:
+                self._work.wait()
+            self._done = [int(v) for v in self._t.tolist()]
+        return self._done
+
+
+def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> Reduction:
+    """``all_reduce`` begun: the caller works meanwhile, then calls ``result()`` (on failure
+    too: the collective is in flight on every rank). On torch the reduction runs on the
+    process group's own thread; other platforms gather here, before returning."""
     if _torch(platform):
         import torch
         import torch.distributed as dist
@@ -176,19 +195,11 @@ def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = 
         t = torch.tensor(list(lanes), dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                group=control_group(platform), async_op=True)
-
-        def wait() -> list[int]:
-            if watch is not None:
-                watch.wait(work)
-            else:
-                work.wait()
-            return [int(v) for v in t.tolist()]
-        return wait
+        return Reduction(work, t, watch)
     # Other platforms gather (each rank still sends only its lanes) and reduce here.
     gathered = gather(platform, list(lanes), watch)
     reduce = max if op == "max" else sum
-    result = [reduce(col) for col in zip(*gathered, strict=True)]
-    return lambda: result
+    return Reduction(None, None, None, [reduce(col) for col in zip(*gathered, strict=True)])
 
 
 def gather(platform: Any, obj: Any, watch: Any = None) -> list[Any]:

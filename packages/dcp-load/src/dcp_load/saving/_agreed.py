@@ -2,105 +2,147 @@
 
 A training job saves the same state (the same names, boxes, dtypes and shapes on every
 rank) every few hundred steps, and each ``save`` gathered every rank's holdings to derive
-the layout (one writer per distinct box). The layout depends on nothing else, so a process
-remembers what was gathered for its last agreed saves (``_REMEMBERED``, at most
-``REMEMBERED`` of them, keyed by this rank's own holdings) and the next save first makes one
-fixed-size SUM all-reduce instead (``start``; ``async_save`` copies the boxes it wrote last
-time while the reduction runs): each rank adds
+the layout (one writer per distinct box). The layout depends on nothing else, so every rank
+keeps the same list of the job's last ``REMEMBERED`` agreed layouts (``_REMEMBERED``, oldest
+first; every rank appends, reuses and drops entries alike, so positions match across
+ranks), and the next save first makes one fixed-size SUM all-reduce (``start``;
+``async_save`` copies the boxes it wrote last time while the reduction runs). Each rank adds
 
 * whether anything failed here (rank 0: the lock, the values),
-* whether it remembers a gathering whose entry for this rank is what it holds now, and the
-  digest of that whole gathering (``plan._digest.equal_lanes``: equal on every rank exactly
+* per remembered layout k: whether what this rank holds now is what it held in k, and the
+  digest of k's whole gathering (``plan._digest.equal_lanes``: equal on every rank exactly
   when each chunk's sum of squares times the world equals its sum squared),
 * the digest of the directory it resolved, and rank 0 alone its new save id.
 
-When every rank remembers one gathering and names one directory, every rank's holdings are
-those of that gathering (each rank checked its own entry), so the layout derived from it is
-the one a new gathering would give: it is used with rank 0's save id. Otherwise (a rank
-changed what it holds, a first save, a failure) every rank reads the same sums and goes on
-to the full exchange, which names the failures. Each rank sends 8 bytes per lane whatever
-the world size (17 lanes, 136 bytes).
+The newest k that every rank holds as it did, with one digest on every rank, is the layout
+a new gathering would give (each rank checked its own part), so it is used with rank 0's
+save id. Otherwise (a first save, a change, a failure, directories that differ) every rank
+reads the same sums and goes on to the full exchange, which names the failures. Each rank
+sends 8 bytes per lane, ``10 + 7 * REMEMBERED`` lanes (38) whatever the world size.
+
+What an entry keeps: digests, the items this rank wrote and, on rank 0 only, the tensor
+metadata it committed; never the other ranks' holdings.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from ..plan._digest import all_equal, digest, equal_lanes, start_all_reduce
 
-__all__ = ["REMEMBERED", "Pending", "forget", "remember", "start"]
+__all__ = ["REMEMBERED", "Agreed", "Pending", "forget", "remember", "start"]
 
-#: Gatherings a process keeps (a model-only and a full save alternating fit, with room).
+#: Layouts every rank keeps (a model-only and a full save alternating fit, with room).
 REMEMBERED = 4
 _SAVE_ID_HEX = 12  # ``_save._new_save_id``: 48 random bits
 _ID_CHUNK = 16  # the id as three 16-bit lanes (only rank 0 adds them, so the sum is its id)
 
 _LOCK = threading.Lock()
-#: (world, rank, this rank's holdings key) -> (digest of the gathering, the gathering, the
-#: items this rank wrote in it)
-_REMEMBERED: OrderedDict[tuple[int, int, int], tuple[int, list[tuple[Any, Any]], list[Any]]] = OrderedDict()
 
 
-def _own_key(world: int, rank: int, holdings: list[Any], values: list[str]) -> tuple[int, int, int]:
-    return world, rank, digest(holdings, values)
+@dataclass(frozen=True)
+class Agreed:
+    """One agreed layout as this rank keeps it."""
+
+    world: int
+    rank: int
+    own: int  # digest of what this rank held (holdings, value names)
+    whole: int  # digest of every rank's holdings
+    mine: tuple[Any, ...]  # the ReadItems this rank wrote
+    n_tensors: int
+    job_bytes: int
+    save_id: str  # the save that agreed it (its id names the files in ``tensors``)
+    tensors: dict[str, Any] | None  # rank 0: the tensor metadata it committed; else None
 
 
-def _gathered_digest(gathered: list[tuple[Any, Any]]) -> int:
-    return digest(gathered)
+_REMEMBERED: list[Agreed] = []
 
 
-def remember(world: int, rank: int, gathered: list[Any], mine: list[Any]) -> None:
-    """Keep the holdings of an agreed save (``gathered``: every rank's exchange payload,
-    ``(holdings, value names, save id, directory)``) and what this rank wrote in it
-    (``mine``: its ``ReadItem``s) for the next save of this process."""
-    kept = [(list(h), list(v)) for h, v, *_ in gathered]
-    key = _own_key(world, rank, *kept[rank])
+def own_digest(holdings: list[Any], values: list[str]) -> int:
+    return digest([tuple(h) for h in holdings], list(values))
+
+
+def remember(world: int, rank: int, gathered: list[Any], tensors: dict[str, Any], mine: list[Any],
+             save_id: str) -> None:
+    """Keep the layout of a save every rank agreed by a full exchange (``gathered``: every
+    rank's payload ``(holdings, value names, save id, directory)``); every rank calls it."""
+    whole = digest([([tuple(h) for h in hs], list(v)) for hs, v, *_ in gathered])
+    entry = Agreed(world, rank, own_digest(*gathered[rank][:2]), whole, tuple(mine), len(tensors),
+                   sum(t.nbytes for t in tensors.values()), save_id, tensors if rank == 0 else None)
     with _LOCK:
-        _REMEMBERED[key] = (_gathered_digest(kept), kept, list(mine))
-        _REMEMBERED.move_to_end(key)
-        while len(_REMEMBERED) > REMEMBERED:
-            _REMEMBERED.popitem(last=False)
+        _REMEMBERED[:] = [e for e in _REMEMBERED if e.whole != whole][-(REMEMBERED - 1):] + [entry]
 
 
 def forget() -> None:
-    """Drop every remembered gathering (the next save of each kind gathers again)."""
+    """Drop every remembered layout (the next save gathers again)."""
     with _LOCK:
         _REMEMBERED.clear()
 
 
 class Pending:
     """The all-reduce of ``start`` in flight. ``guess``: the items this rank wrote in the
-    gathering it remembers for what it holds now (the others most likely hold what they
-    held then too), or None; ``result()``
-    waits, then returns the gathering every rank would send now (rank 0's save id and
-    ``path`` filled in) when every rank remembers that one, else None (every rank gets the
-    same answer, so all go on to the full exchange together). Call ``result()`` exactly
-    once, on failure too: the collective is in flight on every rank."""
+    newest layout it holds as it did (the others most likely do too), or None. Call
+    ``result()`` exactly once, on failure too: the collective is in flight on every rank."""
 
-    def __init__(self, found: tuple[Any, ...] | None, wait: Any, world: int, path: str):
-        self._found, self._wait, self._world, self._path = found, wait, world, path
-        self.guess: list[Any] | None = None if found is None else found[2]
+    def __init__(self, kept: list[Agreed], hits: list[bool], reduction: Any, world: int, path: str):
+        self._kept, self._reduction, self._world, self._path = kept, reduction, world, path
+        self._missed: bool | None = None
+        newest = max((k for k, hit in enumerate(hits) if hit), default=None)
+        self.guess: list[Any] | None = None if newest is None else list(kept[newest].mine)
 
-    def result(self) -> list[Any] | None:
-        sums = self._wait()
-        if sums[0] or sums[1] != self._world or not all(all_equal(sums[2:14], self._world)):
+    def missed(self) -> bool:
+        """Without waiting: the reduction completed and ``guess`` is not what it agreed."""
+        if self._missed is None and self._reduction.ready():
+            chosen = self._choose(self._reduction.result())
+            self._missed = chosen is None or list(chosen.mine) != self.guess
+        return bool(self._missed)
+
+    def _choose(self, sums: list[int]) -> Agreed | None:
+        n, world = REMEMBERED, self._world
+        equal = all_equal(sums[1 + n:1 + n + 6 * (n + 1)], world)
+        if sums[0] or not equal[n]:  # a failure, or directories that differ
             return None
-        assert self._found is not None  # every rank remembered the gathering, this one too
-        new_id = format(sum(v << (_ID_CHUNK * k) for k, v in enumerate(sums[14:17])), f"0{_SAVE_ID_HEX}x")
-        return [(list(h), list(v), new_id, self._path) for h, v in self._found[1]]
+        for k in range(len(self._kept) - 1, -1, -1):
+            if sums[1 + k] == world and equal[k]:
+                return self._kept[k]
+        return None
+
+    def result(self) -> tuple[Agreed, str] | None:
+        """(the layout every rank agreed, rank 0's new save id), or None: gather."""
+        sums = self._reduction.result()
+        chosen = self._choose(sums)
+        if chosen is None:
+            return None
+        at = 1 + REMEMBERED + 6 * (REMEMBERED + 1)
+        new_id = format(sum(v << (_ID_CHUNK * k) for k, v in enumerate(sums[at:at + 3])), f"0{_SAVE_ID_HEX}x")
+        with _LOCK:  # every rank moves the same entry to the newest place
+            if chosen in _REMEMBERED:
+                _REMEMBERED.remove(chosen)
+                _REMEMBERED.append(chosen)
+        return chosen, new_id
 
 
 def start(platform: Any, watch: Any, *, world: int, rank: int, holdings: list[Any], values: list[str], path: str,
           save_id: str | None, failed: bool) -> Pending:
-    """Begin the one all-reduce of the module docstring; the caller may stage ``guess``'s
+    """Begin the one all-reduce of the module docstring; the caller may copy ``guess``'s
     boxes meanwhile."""
+    own = own_digest(holdings, values)
     with _LOCK:
-        found = _REMEMBERED.get(_own_key(world, rank, holdings, values))
-    hit = found is not None and not failed
-    whole = found[0] if hit else digest("none", rank)  # a rank-distinct value: never equal to a hit
+        kept = list(_REMEMBERED)
+    hits = [not failed and e.world == world and e.rank == rank and e.own == own for e in kept]
+    hits += [False] * (REMEMBERED - len(kept))
+    wholes = [e.whole for e in kept] + [digest("none", rank, k) for k in range(len(kept), REMEMBERED)]
     sid = int(save_id, 16) if rank == 0 and save_id else 0
     ids = [(sid >> (_ID_CHUNK * k)) & ((1 << _ID_CHUNK) - 1) for k in range(3)]
-    lanes = [int(failed), int(hit), *equal_lanes([whole, digest(path)]), *ids]
-    return Pending(found if hit else None, start_all_reduce(platform, lanes, "sum", watch), world, path)
+    lanes = [int(failed), *map(int, hits), *equal_lanes([*wholes, digest(path)]), *ids]
+    return Pending(kept, hits, start_all_reduce(platform, lanes, "sum", watch), world, path)
+
+
+def renamed(tensors: dict[str, Any], old_id: str, new_id: str) -> dict[str, Any]:
+    """``tensors`` with each chunk's file named for the save ``new_id`` instead of ``old_id``."""
+    return {n: dataclasses.replace(t, chunks=tuple(dataclasses.replace(c, file=c.file.replace(old_id, new_id))
+                                                   for c in t.chunks))
+            for n, t in tensors.items()}

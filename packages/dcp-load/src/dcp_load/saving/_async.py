@@ -36,7 +36,7 @@ from .._errors import LoadError
 from ..run._coordinate import MIN_STALL_S, Coordinator
 from ._queue import InFlight, begin
 from ._save import PlannedSave, SaveReport, box_data, commit, plan_save, resolve_save, write_files
-from ._staging import POOL
+from ._staging import POOL, StagingStopped
 
 __all__ = ["POLL_MAX_S", "async_save"]
 
@@ -98,7 +98,7 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
         planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist)
         if planned.me == 0:
             logger.info("async_save %s into %s: started (%d tensors, %d bytes)", planned.save_id, path,
-                        len(planned.tensors), sum(t.nbytes for t in planned.tensors.values()))
+                        *planned.counts)
         staged: dict[str, Any] | None = None
         try:
             staged, nbytes, staging_s = _staged(planned, platform)
@@ -130,8 +130,11 @@ def _plan(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
     while the ranks agree (the pool is free again when the plan fails)."""
     early: list[Any] = []
 
-    def stage_early(data: dict[str, Any]) -> tuple[dict[str, Any], int, float]:
-        early.append(_stage(data, platform))
+    def stage_early(data: dict[str, Any], stop: Callable[[], bool]) -> tuple[dict[str, Any], int, float] | None:
+        try:
+            early.append(_stage(data, platform, stop))
+        except StagingStopped:  # the ranks agreed on other boxes: a rank that gathers waits
+            return None
         return early[-1]
 
     try:
@@ -155,9 +158,10 @@ def _staged(planned: PlannedSave, platform: Any) -> tuple[dict[str, Any], int, f
     return _stage(data, platform)
 
 
-def _stage(data: dict[str, Any], platform: Any) -> tuple[dict[str, Any], int, float]:
+def _stage(data: dict[str, Any], platform: Any, stop: Callable[[], bool] | None = None
+           ) -> tuple[dict[str, Any], int, float]:
     t0 = time.perf_counter()
-    staged, nbytes = POOL.stage(data, platform)
+    staged, nbytes = POOL.stage(data, platform, stop=stop)
     return staged, nbytes, time.perf_counter() - t0
 
 

@@ -216,6 +216,7 @@ class PlannedSave:
     tensors: dict[str, Any]
     mine: list[ReadItem]
     targets: dict[str, Any]
+    counts: tuple[int, int] = (0, 0)  # the save's (tensors, bytes): ``tensors`` may be {} off rank 0
     early: Any = None  # what ``while_agreeing`` returned (``plan_save``), or None
 
     def release_lock(self) -> None:
@@ -229,20 +230,22 @@ class PlannedSave:
         return CheckpointMetadata(tensors=self.tensors, values=value_meta, format="native")
 
     def report(self, written: int, nbytes: int, seconds: float, **timings: Any) -> SaveReport:
-        return SaveReport(rank=self.rank, world_size=self.world, path=self.path, tensors=len(self.tensors),
-                          chunks_written=written, bytes_written=nbytes,
-                          job_bytes=sum(t.nbytes for t in self.tensors.values()), seconds=seconds, **timings)
+        return SaveReport(rank=self.rank, world_size=self.world, path=self.path, tensors=self.counts[0],
+                          chunks_written=written, bytes_written=nbytes, job_bytes=self.counts[1], seconds=seconds,
+                          **timings)
 
 
 def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
-              allow_pickle: bool, no_dist: bool, while_agreeing: Callable[[dict[str, Any]], Any] | None = None
+              allow_pickle: bool, no_dist: bool, while_agreeing: Callable[..., Any] | None = None
               ) -> PlannedSave:
     """Every check of a save, once every rank arrived; ``LoadError`` on every rank when any
     rank failed one (rank 0's lock is then released). Nothing is written here.
 
-    ``while_agreeing(data)``: called, when this rank remembers what it wrote with the same
-    holdings (``_agreed``), with those boxes ({chunk key: values}) while the ranks agree;
-    what it returns is the plan's ``early`` (``async_save`` copies them there)."""
+    ``while_agreeing(data, stop)``: called, when this rank remembers what it wrote with the
+    same holdings (``_agreed``), with those boxes ({chunk key: values}) while the ranks
+    agree; ``stop()`` turns True once the agreement completed with other boxes (stop then:
+    a rank that gathers waits). What it returns is the plan's ``early`` (``async_save``
+    copies the boxes there)."""
     from dcp_reader import NativeWriter
 
     rank = platform.rank()
@@ -259,20 +262,21 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
         if me == 0 and writer is not None:
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
         world = platform.world_size() if collective else 1
-        gathered = None
+        remembered = None
         if collective:  # the same holdings as a save before: one all-reduce instead of a gathering
             pending = agreed.start(platform, coord.waiter, world=world, rank=rank, holdings=holdings,
                                    values=sorted(values), path=path, save_id=save_id, failed=bool(errors))
             early = _while(pending, while_agreeing, targets)
-            gathered = pending.result()
-        planned = _planned(coord, collective, gathered, (holdings, sorted(values), save_id, path), errors, world, me)
+            remembered = pending.result()
+        planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path), errors, world,
+                           me)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    tensors, mine, save_id = planned
+    tensors, mine, save_id, counts = planned
     return PlannedSave(platform, collective, path, rank, world, me, writer, lock, encoded, save_id, tensors, mine,
-                       targets, early)
+                       targets, counts, early)
 
 
 def _while(pending: Any, while_agreeing: Any, targets: dict[str, Any]) -> Any:
@@ -281,29 +285,34 @@ def _while(pending: Any, while_agreeing: Any, targets: dict[str, Any]) -> Any:
     if while_agreeing is None or pending.guess is None:
         return None
     try:
-        return while_agreeing(_box_data(pending.guess, targets))
+        return while_agreeing(_box_data(pending.guess, targets), pending.missed)
     except BaseException:
         with contextlib.suppress(Exception):
             pending.result()
         raise
 
 
-def _planned(coord: Coordinator, collective: bool, gathered: list[Any] | None, payload: tuple[Any, ...],
-             errors: list[str], world: int, me: int) -> tuple[dict[str, Any], list[ReadItem], str]:
-    """(tensors, this rank's items, save id) from the remembered gathering, or from a full
-    exchange (``gathered`` None: a first save, a change, a failure), which is then remembered."""
-    fresh = gathered is None
-    if fresh:
-        gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=payload)
+def _planned(coord: Coordinator, collective: bool, remembered: tuple[Any, str] | None, payload: tuple[Any, ...],
+             errors: list[str], world: int, me: int
+             ) -> tuple[dict[str, Any], list[ReadItem], str, tuple[int, int]]:
+    """(tensors, this rank's items, save id, (tensors, job bytes)) of the remembered layout
+    every rank agreed (its checks passed when it was made), or of a full exchange (a first
+    save, a change, a failure), which every rank then remembers. With a remembered layout
+    only rank 0 has the tensor metadata (it commits it); the others get ``{}``."""
+    if remembered is not None:
+        entry, save_id = remembered
+        tensors = {} if entry.tensors is None else agreed.renamed(entry.tensors, entry.save_id, save_id)
+        return tensors, list(entry.mine), save_id, (entry.n_tensors, entry.job_bytes)
+    gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=payload)
     save_id = gathered[0][2]  # rank 0's: every rank names the files alike
     tensors, per_rank, failures = _layout(gathered, save_id)
-    if fresh:  # a remembered gathering passed these checks when it was made
-        _agree(gathered, tensors, failures)
+    _agree(gathered, tensors, failures)
     if failures:
         raise LoadError(failures, "save")
-    if fresh and collective:
-        agreed.remember(world, me, gathered, per_rank.get(me, []))
-    return tensors, per_rank.get(me, []), save_id
+    mine = per_rank.get(me, [])
+    if collective:
+        agreed.remember(world, me, gathered, tensors, mine, save_id)
+    return tensors, mine, save_id, (len(tensors), sum(t.nbytes for t in tensors.values()))
 
 
 def _agree(gathered: list[Any], tensors: dict[str, Any], failures: dict[int, list[str]]) -> None:
