@@ -58,5 +58,8 @@ def tp_reads_cases(rank: int, world: int, root: str) -> dict[str, Any]:
                     errors.append(f"rank {rank}: {n} from {fmt} as {dtype} differs")
             out[f"{fmt}/{dtype}"] = {"errors": errors, "bytes_read": report.bytes_read,
                                      "held": sum(t.to_local().numel() * full[n].element_size()
-                                                 for n, t in state.items())}
+                                                 for n, t in state.items()),
+                                     "fetched": report.bytes_fetched, "job_fetched": report.job_bytes_fetched,
+                                     "job_unique": report.job_unique_bytes,
+                                     "saved": sum(t.numel() * t.element_size() for t in full.values())}
     return out

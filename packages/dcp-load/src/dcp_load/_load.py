@@ -88,8 +88,8 @@ def load(
             got = validate_reads(coord, prep, plan, me, collective, phases)
             stats = run_plan(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
                              batch_bytes=broadcast_batch_bytes)
-            job_read, job_unique = finish(coord, prep, plan, stats, got, collective, phases)
+            job_read, job_unique, job_fetched = finish(coord, prep, plan, stats, got, collective, phases)
         finally:
             close(prep, phases)
-        return make_report(platform, collective, prep, plan, stats, phases,
-                           job_read=job_read, job_unique=job_unique if derived else plan.unique_bytes)
+        return make_report(platform, collective, prep, plan, stats, phases, job_read=job_read,
+                           job_unique=job_unique if derived else plan.unique_bytes, job_fetched=job_fetched)

@@ -48,6 +48,7 @@ class ExecuteStats:
     read_seconds: float
     broadcast_seconds: float
     errors: tuple[str, ...]
+    bytes_fetched: int = 0  # bytes_read plus what covering reads fetched around their boxes
 
 
 class _ReadAhead(threading.Thread):
@@ -174,6 +175,9 @@ class _ReadAheads:
 
     def bytes_read(self, before: int) -> int:
         return self.readers[0].bytes_read - before + sum(r.bytes_read for r in self.readers[1:])
+
+    def bytes_fetched(self, before: int) -> int:
+        return fetched(self.readers[0]) - before + sum(fetched(r) for r in self.readers[1:])
 
     @property
     def done(self) -> int:
@@ -330,6 +334,7 @@ def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[s
 
     readers = [reader] + [reader.sibling() for _ in range(threads - 1)]
     before = [r.bytes_read for r in readers]
+    before_fetched = [fetched(r) for r in readers]
     workers = [_ReadAhead(r, part, targets, {}, {}, told if on_read is not None else None, pool=pool, device=device)
                for r, part in zip(readers, split_reads(reads, threads), strict=True)]
     try:
@@ -351,7 +356,14 @@ def _read_in_parallel(reader: Any, reads: Sequence[ReadItem], targets: Mapping[s
         bytes_read=sum(r.bytes_read - b for r, b in zip(readers, before, strict=True)), broadcasts=0,
         bytes_sent=0, bytes_received=0, read_seconds=max(w.seconds for w in workers), broadcast_seconds=0.0,
         errors=tuple(e for w in workers for e in w.errors),
+        bytes_fetched=sum(fetched(r) - b for r, b in zip(readers, before_fetched, strict=True)),
     )
+
+
+def fetched(reader: Any) -> int:
+    """Bytes ``reader`` took from storage (``bytes_fetched``; ``bytes_read`` for a reader
+    that does not count them apart)."""
+    return int(getattr(reader, "bytes_fetched", reader.bytes_read))
 
 
 def _malloc_trim() -> Any:
@@ -437,7 +449,7 @@ def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, 
     items, events, by_item, staged, staged_at = (sched.items, sched.events, sched.by_item, sched.staged,
                                                  sched.staged_at)
 
-    before = reader.bytes_read
+    before, before_fetched = reader.bytes_read, fetched(reader)
     thread = _ReadAheads(reader, reads, targets, events, staged_at, on_read, remote, pool, device)
     thread.start(inline=not items)
     broadcasts = sent = received = 0
@@ -471,5 +483,5 @@ def _execute_scheduled(platform: Any, reader: Any, plan: GlobalPlan, rank: int, 
     return ExecuteStats(
         pieces_read=thread.done, bytes_read=thread.bytes_read(before), broadcasts=broadcasts,
         bytes_sent=sent, bytes_received=received, read_seconds=thread.seconds,
-        broadcast_seconds=bcast_s, errors=tuple(thread.errors),
+        broadcast_seconds=bcast_s, errors=tuple(thread.errors), bytes_fetched=thread.bytes_fetched(before_fetched),
     )

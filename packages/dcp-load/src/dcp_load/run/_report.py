@@ -26,7 +26,11 @@ class LoadReport:
     (it holds no part of them, so nothing is loaded into them). ``tied``: (key, key) pairs
     of tied weights: the first key shares the second's tensor and was loaded through it.
     ``composed``: (key, number of saved tensors) of each destination that ``sources=``
-    mapped (renamed or composed), in state dict order.
+    mapped (renamed or composed), in state dict order. ``bytes_fetched``: ``bytes_read``
+    plus the bytes covering reads took around their boxes (a row-parallel half read as
+    whole rows, say: the read cost model's choice, README "How a box is read");
+    ``job_bytes_fetched``: summed over all ranks (``fetch_amplification`` against the
+    unique bytes).
     """
 
     rank: int
@@ -48,10 +52,13 @@ class LoadReport:
     skipped_not_in_mesh: tuple[str, ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
     composed: tuple[tuple[str, int], ...] = ()
+    bytes_fetched: int = 0
+    job_bytes_fetched: int = 0
 
     def __post_init__(self) -> None:
         for name in ("bytes_needed", "bytes_read", "bytes_received", "bytes_sent", "broadcasts",
-                     "pieces_read", "job_bytes_read", "job_unique_bytes", "tensors", "values"):
+                     "pieces_read", "job_bytes_read", "job_unique_bytes", "tensors", "values", "bytes_fetched",
+                     "job_bytes_fetched"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LoadReport.{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "seconds", dict(self.seconds))
@@ -65,3 +72,9 @@ class LoadReport:
     def read_amplification(self) -> float:
         """``job_bytes_read / job_unique_bytes``: 1.0 when every needed byte was read once."""
         return self.job_bytes_read / self.job_unique_bytes if self.job_unique_bytes else 1.0
+
+    @property
+    def fetch_amplification(self) -> float:
+        """``job_bytes_fetched / job_unique_bytes``: what the job took from storage against
+        the bytes it needed (above ``read_amplification`` by the covering reads' extra)."""
+        return self.job_bytes_fetched / self.job_unique_bytes if self.job_unique_bytes else 1.0

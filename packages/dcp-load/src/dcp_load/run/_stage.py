@@ -18,6 +18,7 @@ by a function a backend may replace (pinned host memory for an accelerator).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import mmap
@@ -59,11 +60,22 @@ def stage_pieces(offsets: tuple[int, ...], sizes: tuple[int, ...], nbytes: int,
     return out
 
 
+#: Staging mappings ask for transparent huge pages (where the kernel offers them: Linux with
+#: THP "madvise" or "always"). Each load maps its buffers afresh, and with 4 KiB pages the
+#: first read into a buffer pays a fault per page: one ``preadv`` of 8 MiB from the page
+#: cache into a fresh 16 MiB mapping took 4.8-5.5 ms with 4 KiB pages and 0.5-0.6 ms with
+#: ``MADV_HUGEPAGE`` (this machine, THP "madvise", median of 30, the other core busy).
+_HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
 def _mapped(nbytes: int) -> tuple[Any, Callable[[], None]]:
     """A CPU uint8 tensor over a fresh anonymous mapping, and the call that unmaps it."""
     import torch
 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _HUGE is not None:
+        with contextlib.suppress(OSError):  # THP off ("never") or not built in: 4 KiB pages
+            region.madvise(_HUGE)
 
     def release() -> None:
         try:

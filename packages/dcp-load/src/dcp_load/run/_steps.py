@@ -312,7 +312,7 @@ def run_plan(coord: Coordinator, platform: Any, plan: Any, me: int, prep: Prepar
 
 
 def make_report(platform: Any, collective: bool, prep: Prepared, plan: Any, stats: Any, phases: Phases, *,
-            job_read: int, job_unique: int) -> LoadReport:
+            job_read: int, job_unique: int, job_fetched: int) -> LoadReport:
     seconds = dict(phases.seconds)
     seconds["total"] = time.perf_counter() - phases.start
     reader, rank = prep.reader, platform.rank()
@@ -324,6 +324,7 @@ def make_report(platform: Any, collective: bool, prep: Prepared, plan: Any, stat
         broadcasts=stats.broadcasts, pieces_read=stats.pieces_read, job_bytes_read=job_read,
         job_unique_bytes=job_unique, seconds=seconds, missing=tuple(prep.missing), cast=tuple(prep.cast),
         skipped_not_in_mesh=tuple(prep.outside), tied=tuple(prep.tied), composed=tuple(prep.composed),
+        bytes_fetched=stats.bytes_fetched, job_bytes_fetched=job_fetched,
     )
     phases.progress.phase("total", seconds["total"], report.bytes_read + report.bytes_received)
     logger.debug("rank %d: loaded %d tensor(s) and %d value(s) in %.4f s: read %d of %d needed bytes, "
@@ -364,11 +365,11 @@ def validate_reads(coord: Coordinator, prep: Prepared, plan: Any, me: int, colle
 
 
 def finish(coord: Coordinator, prep: Prepared, plan: Any, stats: Any, got: Mapping[str, Any],
-           collective: bool, phases: Phases) -> tuple[int, int]:
+           collective: bool, phases: Phases) -> tuple[int, int, int]:
     """Agree that every rank's execute succeeded, then put the values in place (the
-    ``finish`` phase); (bytes the job read, its unique bytes)."""
-    job_read, job_unique = coord.check(stats.errors, "execute", collective=collective,
-                                       sums=(stats.bytes_read, plan.unique_bytes))
+    ``finish`` phase); (bytes the job read, its unique bytes, bytes it fetched)."""
+    job_read, job_unique, job_fetched = coord.check(stats.errors, "execute", collective=collective,
+                                                    sums=(stats.bytes_read, plan.unique_bytes, stats.bytes_fetched))
     # Every rank has finished its broadcasts once it joined that exchange, so the groups
     # close without the all-gather that GroupManager.close would otherwise make first.
     groups, prep.groups = prep.groups, None
@@ -377,7 +378,7 @@ def finish(coord: Coordinator, prep: Prepared, plan: Any, stats: Any, got: Mappi
     for leaf in prep.values:
         leaf.replace(got[leaf.name])
     phases.end("finish")
-    return job_read, job_unique
+    return job_read, job_unique, job_fetched
 
 
 def close(prep: Prepared, phases: Phases) -> None:
