@@ -82,10 +82,11 @@ def load(
         try:
             prepare(prep, leaves, errors, platform, broadcast, checkpoint_id=checkpoint_id, allow_pickle=allow_pickle,
                     tied_weights=tied_weights, strict=strict, allow_dtype_cast=allow_dtype_cast, source_map=source_map)
-            plan, derived = make_plan(coord, platform, collective, prep, errors, phases, mode=mode, broadcast=broadcast,
-                                      batch_bytes=broadcast_batch_bytes, planner=planner, groups=broadcast_groups)
+            plan, derived, checked = make_plan(coord, platform, collective, prep, errors, phases, mode=mode,
+                                               broadcast=broadcast, batch_bytes=broadcast_batch_bytes,
+                                               planner=planner, groups=broadcast_groups)
             me = platform.rank() if collective else 0
-            got = validate_reads(coord, prep, plan, me, collective, phases)
+            got = validate_reads(coord, prep, plan, me, collective, phases, checked)
             stats = run_plan(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
                              batch_bytes=broadcast_batch_bytes)
             job_read, job_unique, job_fetched = finish(coord, prep, plan, stats, got, collective, phases)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._derive import Derived, derive_entry
@@ -22,7 +23,7 @@ from ._hosts import host_id
 from ._items import GlobalPlan, HostBlocks, Want
 from ._local import plan_for_rank
 
-__all__ = ["checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest", "settings_text"]
+__all__ = ["Derivation", "checkpoint_digest", "derived_plan", "ensure_groups", "metadata_digest", "settings_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +76,23 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
     return out
 
 
+@dataclass
+class Derivation:
+    """``derived_plan``'s answer: this rank's plan, and when ``check`` ran on it before the
+    digest exchange, what it found (``errors``, this rank's) and whether any rank's checks
+    failed (``checks_failed``, the same on every rank); ``checked`` False otherwise."""
+
+    plan: GlobalPlan
+    checked: bool = False
+    errors: list[str] = field(default_factory=list)
+    checks_failed: bool = False
+
+
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
                  custom_planner: bool, watch: Any = None, meta_hash: int | None = None,
-                 checkpoint: Any = None) -> GlobalPlan | None:
+                 checkpoint: Any = None, check: Callable[[GlobalPlan], list[str]] | None = None
+                 ) -> Derivation | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
@@ -86,6 +100,9 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     ``watch``: the load's ``dcp_platform.Watch``, which bounds every wait of the exchange.
     ``meta_hash``: the checkpoint's ``checkpoint_digest`` (default: ``metadata_digest`` of
     ``tensors``). ``checkpoint``: the path of the checkpoint opened, shown when ranks' metadata differs.
+    ``check(plan) -> errors``: run on the plan this rank derives with the hosts it expects
+    (``_guess_hosts``) before the exchange, which then also says whether any rank's
+    checks failed; used when the exchange confirms those hosts.
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
@@ -100,17 +117,24 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
             entries = None
     local_world = local_world_size() if broadcast else 0
     host = host_id() if broadcast else ""
+    guess = None
+    if entries is not None and check is not None:
+        guess = _checked_guess(tensors, entries, rank, world, broadcast, local_world, host, same_host_reads, check)
     equal = [(meta_hash, checkpoint),  # shown by _digest.checkpoint_causes
              (digest(settings, custom_planner), f"{settings_text(settings)}: every rank must pass "
               "the same broadcast settings"),
              (local_world, f"LOCAL_WORLD_SIZE={local_world or 'unset'} (0 with DCP_HOST_ID set): every rank "
               "must see the same")]
     decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
-                    entries=entries or [], host=host, local_world=local_world, watch=watch)
+                    entries=entries or [], host=host, local_world=local_world, watch=watch,
+                    checks_failed=guess is not None and bool(guess.errors))
     if not decided.derived:
         logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
         return None
     assert entries is not None
+    if guess is not None and (not broadcast or (decided.hosts_derived if local_world else decided.one_host)):
+        guess.checks_failed = decided.checks_failed  # the hosts it was planned with hold
+        return guess
     hosts: Sequence[Any] | None = None
     if broadcast:
         hosts = (HostBlocks(world, local_world) if decided.hosts_derived
@@ -120,7 +144,27 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,
                  len(entries), time.perf_counter() - start, len(plan.broadcasts),
                  "derived" if decided.hosts_derived else "gathered" if broadcast else "unused")
-    return plan
+    return Derivation(plan)
+
+
+def _checked_guess(tensors: Mapping[str, Any], entries: list[Derived], rank: int, world: int, broadcast: bool,
+                   local_world: int, host: str, same_host_reads: bool,
+                   check: Callable[[GlobalPlan], list[str]]) -> Derivation:
+    """This rank's plan with the hosts it expects the exchange to confirm (derived from
+    ``$LOCAL_WORLD_SIZE``, else every rank on this host), and ``check``'s errors on it (an
+    exception is an error too: the exchange carries it to every rank)."""
+    hosts = (HostBlocks(world, local_world) if local_world else [host] * world) if broadcast else None
+    try:
+        plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
+                             same_host_reads=same_host_reads)
+    except Exception as exc:  # noqa: BLE001 - the checks fail on this rank; the exchange tells the others
+        nothing = GlobalPlan(world, (), (), (0,) * world, 0, rank=rank)  # never run: the checks failed
+        return Derivation(nothing, checked=True, errors=[f"{type(exc).__name__}: {exc}"])
+    try:
+        errors = list(check(plan))
+    except Exception as exc:  # noqa: BLE001 - as above
+        errors = [f"{type(exc).__name__}: {exc}"]
+    return Derivation(plan, checked=True, errors=errors)
 
 
 def ensure_groups(platform: Any, plan: GlobalPlan, groups: Any, watch: Any = None) -> tuple[Any, bool]:

@@ -8,8 +8,11 @@ ranks (``LANES_BYTES``):
   ``c * c``: all ranks had the same chunk exactly when ``world * sum(c * c) == sum(c) ** 2``
   (Cauchy-Schwarz; the sums fit int64 below 2**21 ranks). Equal host ids need no gather.
 * *flags*: the derivable flags (all or nothing: the sum is the world), whether any rank
-  already failed, whether any rank leads a name for the tied-weights count below, and a
-  random nonce whose sum every rank receives alike.
+  already failed, whether any rank leads a name for the tied-weights count below, a
+  random nonce whose sum every rank receives alike, and whether any rank's checks of the
+  reads it guessed failed (``derived_plan``'s ``check``: the plan is derived and its reads
+  checked before this exchange, so that a load whose checks pass needs no exchange of its
+  own for them).
 * two hashes (mod the prime 2**61 - 1, each sent as two 31-bit halves so that the int64
   sum cannot overflow below 2**32 ranks):
   - *holders*: each rank adds ``H(e) * g(rank)`` for every entry ``e`` it holds, and the
@@ -69,7 +72,7 @@ _CHUNK = 21  # a 61-bit hash as three chunks whose squares, summed over < 2**21 
 _EQUAL = 4  # metadata, settings, host mode, host id
 #: bytes each rank sends for the digest: 6 lanes per value every rank must share, the
 #: derivable and failed flags, the nonce, the counted flag, 2 holders and 2 hosts lanes
-LANES_BYTES = 8 * (6 * _EQUAL + 4 + 4)
+LANES_BYTES = 8 * (6 * _EQUAL + 4 + 4 + 1)
 
 #: default process group -> its gloo twin; kept for the process's life like the group it
 #: mirrors (creating one is a collective, so it is not repeated per load).
@@ -238,10 +241,12 @@ def local_world_size() -> int:
 class Agreement:
     """What the digest exchange decided: plan derived (every rank can) or gathered, whether
     the hosts derived from ``$LOCAL_WORLD_SIZE`` hold (else gather host ids), and whether
-    every rank reported one host id (then there is nothing to gather either)."""
+    every rank reported one host id (then there is nothing to gather either), and whether
+    any rank's checks of its guessed reads failed (``checks_failed``)."""
 
-    def __init__(self, derived: bool, hosts_derived: bool, one_host: bool = False):
+    def __init__(self, derived: bool, hosts_derived: bool, one_host: bool = False, checks_failed: bool = False):
         self.derived, self.hosts_derived, self.one_host = derived, hosts_derived, one_host
+        self.checks_failed = checks_failed
 
 
 def _countable(entries: Sequence[Derived], world: int) -> bool:
@@ -267,7 +272,8 @@ def all_equal(sums: Sequence[int], world: int) -> list[bool]:
 
 
 def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, failed: bool,
-          entries: Sequence[Derived], host: str, local_world: int, watch: Any = None) -> Agreement:
+          entries: Sequence[Derived], host: str, local_world: int, watch: Any = None,
+          checks_failed: bool = False) -> Agreement:
     """The digest exchange (module docstring); raises ``LoadError`` on every rank when
     derivable ranks disagree. ``equal``: (hash, what it stands for, shown on a mismatch)
     for metadata, settings and host mode, which every rank must share; the metadata's is
@@ -279,7 +285,7 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     holders = holder_lane(entries, rank) if derivable else 0
     hosts = host_lane(host, rank, world, local_world) if local_world else 0
     lanes = [*equal_lanes([*equal, digest(host)]), int(derivable), int(failed), secrets.randbelow(1 << _HALF),
-             int(_countable(entries, world)), *_split(holders), *_split(hosts)]
+             int(_countable(entries, world)), *_split(holders), *_split(hosts), int(checks_failed)]
     sums = all_reduce(platform, lanes, "sum", watch)
     n, at = len(equal), 6 * (len(equal) + 1)
     flags = all_equal(sums[:at], world)
@@ -291,7 +297,7 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     if counted and _counted_twice(platform, entries, rank, world, nonce % PRIME, watch):
         logger.debug("rank %d: a tensor is held on two meshes (tied weights); gathering wants", rank)
         return Agreement(False, False)
-    return Agreement(True, local_world > 0 and _join(sums[at + 6], sums[at + 7]) == 0, flags[n])
+    return Agreement(True, local_world > 0 and _join(sums[at + 6], sums[at + 7]) == 0, flags[n], sums[at + 8] > 0)
 
 
 def _counted_twice(platform: Any, entries: Sequence[Derived], rank: int, world: int, nonce: int,

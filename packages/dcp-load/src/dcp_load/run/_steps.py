@@ -263,8 +263,10 @@ def prepare(prep: Prepared, leaves: list[Any], errors: list[str], platform: Any,
 
 def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepared, errors: list[str],
                phases: Phases, *, mode: Any, broadcast: bool, batch_bytes: int, planner: Any,
-               groups: Any) -> tuple[Any, bool]:
-    """(the plan, whether it was derived). Ends the ``prepare`` and ``plan`` phases."""
+               groups: Any) -> tuple[Any, bool, Any]:
+    """(the plan, whether it was derived, its reads' checks when they were made with the
+    derivation: ``(errors, any rank failed, values read)``, else None). Ends the
+    ``prepare`` and ``plan`` phases."""
     reader = prep.reader
     # The settings that shape the collectives travel with the wants: ranks that differ
     # would walk different broadcast schedules and hang, so they fail together instead.
@@ -276,20 +278,27 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
     meta_hash = checkpoint_digest(reader) if reader is not None else None  # hashes every chunk: once
     path = getattr(reader, "path", None)  # shown when ranks opened checkpoints that differ
-    plan = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants, prep.by_value,
-                        failed=bool(errors), settings=settings, broadcast=broadcast,
-                        same_host_reads=mode == AUTO, custom_planner=planner is not None,
-                        watch=coord.waiter, meta_hash=meta_hash, checkpoint=path) if collective else None
-    if plan is not None:
+    got: dict[str, Any] = {}
+
+    def check(plan: Any) -> list[str]:  # validate_reads' checks, made before the digest exchange
+        errs, got["values"] = check_reads(reader, plan.reads_for(platform.rank()), prep.values)
+        return errs
+
+    derived = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants,
+                           prep.by_value, failed=bool(errors), settings=settings, broadcast=broadcast,
+                           same_host_reads=mode == AUTO, custom_planner=planner is not None, watch=coord.waiter,
+                           meta_hash=meta_hash, checkpoint=path, check=check) if collective else None
+    if derived is not None:
         phases.end("prepare")
         phases.end("plan")
-        return plan, True
+        checked = (derived.errors, derived.checks_failed, got.get("values", {})) if derived.checked else None
+        return derived.plan, True, checked
     gathered, hosts = gather_wants(coord, errors, collective, prep.wants, settings, broadcast, (meta_hash, path))
     phases.end("prepare")
     plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
                              hosts=hosts, same_host_reads=mode == AUTO)
     phases.end("plan")
-    return plan, False
+    return plan, False, None
 
 
 def run_plan(coord: Coordinator, platform: Any, plan: Any, me: int, prep: Prepared, phases: Phases, *,
@@ -354,10 +363,18 @@ def open_reader(coord: Coordinator, platform: Any, collective: bool, checkpoint_
 
 
 def validate_reads(coord: Coordinator, prep: Prepared, plan: Any, me: int, collective: bool,
-                   phases: Phases) -> dict[str, Any]:
+                   phases: Phases, checked: Any = None) -> dict[str, Any]:
     """Check every read of this rank's part of the plan on every rank (the ``validate``
-    phase); the non-tensor values read, by name."""
+    phase); the non-tensor values read, by name. ``checked``: ``make_plan``'s checks made
+    with the derivation, whose exchange said whether any rank failed: then only a failure
+    makes the exchange here (every rank makes it alike), which names it."""
     phases.progress.plan(plan, me, len(prep.targets))
+    if checked is not None:
+        errs, failed, got = checked
+        if failed:
+            coord.check(errs, "validate", collective=collective)
+        phases.end("validate")
+        return got
     errs, got = check_reads(prep.reader, plan.reads_for(me), prep.values)
     coord.check(errs, "validate", collective=collective)
     phases.end("validate")

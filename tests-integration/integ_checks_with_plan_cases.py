@@ -1,0 +1,94 @@
+"""Rank side of test_integ_load_checks_with_plan (not a test module): 2 gloo ranks load a
+checkpoint into replicated DTensors (read once: each saved chunk read by one rank and
+broadcast), counting the exchanges each load makes by phase."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from integ_failure_cases import outcome
+
+SHAPE = (64, 32)
+
+
+def write(root: str, truncate_b: bool = False) -> None:
+    """``a`` in one file and ``b`` in another, with the index; ``truncate_b``: the second
+    file loses its last 100 bytes (its header still parses)."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(root, exist_ok=True)
+    for i, name in enumerate(("a", "b")):
+        save_file({name: torch.full(SHAPE, float(i + 1))}, os.path.join(root, f"model-{i}.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": "model-0.safetensors", "b": "model-1.safetensors"}}
+    with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    if truncate_b:
+        path = os.path.join(root, "model-1.safetensors")
+        os.truncate(path, os.path.getsize(path) - 100)
+
+
+def _phases() -> tuple[list[str], Any]:
+    from dcp_load.run._coordinate import Coordinator
+
+    seen: list[str] = []
+    real = Coordinator.check
+
+    def check(self: Any, errors: Any, phase: str, **kw: Any) -> Any:
+        seen.append(phase)
+        return real(self, errors, phase, **kw)
+
+    Coordinator.check = check  # type: ignore[method-assign]
+    return seen, real
+
+
+def load_counting(rank: int, world: int, root: str) -> dict[str, Any]:
+    import dcp_load
+    import torch
+    from dcp_load.run._coordinate import Coordinator
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {n: distribute_tensor(torch.full(SHAPE, float("nan")), mesh, [Replicate()], src_data_rank=None)
+             for n in ("a", "b")}
+    seen, real = _phases()
+    try:
+        out = outcome(lambda: dcp_load.load(state, checkpoint_id=root, broadcast_replicated_tensors=True))
+    finally:
+        Coordinator.check = real  # type: ignore[method-assign]
+    out["phases"] = seen
+    out["values"] = {n: (bool(torch.isnan(t.to_local()).all()), float(t.to_local().nan_to_num(0).sum()))
+                     for n, t in state.items()}
+    return out
+
+
+def save_torch_dcp(rank: int, world: int, root: str) -> None:
+    """``a`` and ``b`` as ``Shard(0)`` DTensors saved by torch DCP: each rank's rows in its
+    own data file (``__<rank>_0.distcp``)."""
+    import torch
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {n: distribute_tensor(torch.full(SHAPE, float(i + 1)), mesh, [Shard(0)]) for i, n in enumerate("ab")}
+    tdcp.save(state, checkpoint_id=root)
+
+
+def break_blob_directories(path: str) -> int:
+    """Overwrite every zip end-of-directory record in ``path`` (torch.save blobs): the
+    metadata still names the file and its ranges, but no blob in it can be parsed."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        hits = 0
+        at = data.find(b"PK\x05\x06")
+        while at >= 0:
+            data[at:at + 4] = b"XXXX"
+            hits += 1
+            at = data.find(b"PK\x05\x06", at + 4)
+        f.seek(0)
+        f.write(data)
+    return hits
