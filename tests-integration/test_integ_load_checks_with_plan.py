@@ -6,7 +6,9 @@ so that each saved chunk is read by one rank):
   finish one only) and loads every value;
 * a torch DCP data file whose blobs cannot be parsed (found only by the checks of the rank
   that reads it): every rank raises the same ``LoadError`` in phase validate naming that
-  rank, and nothing was written (the destinations stay poisoned).
+  rank, and nothing was written (the destinations stay poisoned);
+* the digest all-reduce waits through the others' preparing and checking: its bound is
+  two steps' (a rank taking 0.7 s for each under a 1 s bound still loads).
 """
 
 from __future__ import annotations
@@ -44,3 +46,20 @@ def test_a_check_failing_on_one_rank_fails_every_rank_before_any_write(tmp_path)
         assert out["phases"] == ["validate"], (rank, out)  # the exchange that names the failure
         assert out["values"] == {"a": (True, 0.0), "b": (True, 0.0)}, (rank, out)  # nothing written
     assert len(ranks) == 1 and len(next(iter(ranks))) == 1, ranks  # the rank that reads that file
+
+
+def test_the_digest_wait_is_bounded_per_step_not_for_both(tmp_path):
+    root = str(tmp_path / "hf")
+    cases.write(root)
+    for rank, out in enumerate(run_ranks(cases.slow_prepare_and_checks, 2, root, timeout=120)):
+        assert out["first"]["error"] is None and out["next"]["error"] is None, (rank, out)
+
+
+def test_reads_are_checked_and_values_read_once_per_load(tmp_path):
+    root = str(tmp_path / "native")
+    run_ranks(cases.save_native, 2, root, timeout=120)
+    for host_ids in (False, True):  # the guessed plan used, and not made (hosts named per rank)
+        for rank, out in enumerate(run_ranks(cases.count_checks, 2, root, host_ids, timeout=120)):
+            assert out["error"] is None and out["step"] == 7, (host_ids, rank, out)
+            assert out["counts"]["read_value"] == 1, (host_ids, rank, out)
+            assert out["counts"]["check_chunk"] <= 1, (host_ids, rank, out)  # read once: one chunk per rank

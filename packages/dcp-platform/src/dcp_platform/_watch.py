@@ -249,11 +249,13 @@ class Watch:
                                               "ranks to arrive",)})
         self.check()
 
-    def wait(self, handle: Handle | None) -> None:
+    def wait(self, handle: Handle | None, *, phases: int = 1) -> None:
         """Wait for ``handle`` in slices, raising ``PeerFailure`` once a failure is published.
 
         A collective error (a peer's connection closed) is published and raised; when the
         heartbeats name the dead rank within ``STALE_S + 2 HEARTBEAT_S``, that rank is named.
+        ``phases``: how many steps of local work the other ranks may make before joining
+        (each bounded by ``stall_s``): the wait is bounded by ``phases * stall_s``.
         """
         if handle is None:
             return
@@ -269,18 +271,18 @@ class Watch:
                         return
                 except Exception as exc:
                     raise self.lost(exc) from exc
-                self._check_stall(start, "a collective")
+                self._check_stall(start, "a collective", phases)
         except BaseException:
             self.interrupted = True  # the collective is left pending in the process group
             raise
 
-    def _check_stall(self, start: float, what: str) -> None:
-        """Publish and raise once one wait has lasted ``stall_s`` with every rank alive."""
+    def _check_stall(self, start: float, what: str, phases: int = 1) -> None:
+        """Publish and raise once one wait has lasted ``phases * stall_s`` with every rank alive."""
         waited = time.monotonic() - start
-        if self.stall_s is None or waited < self.stall_s:
+        if self.stall_s is None or waited < phases * self.stall_s:
             return
         cause = {self.rank: (f"waited {waited:.0f} s in {what} of {self.name} while every rank was alive "
-                             f"(the bound is the operation's timeout, {self.stall_s:g} s): the ranks are "
+                             f"(the bound is {phases} x the operation's timeout, {self.stall_s:g} s): the ranks are "
                              "most likely in different collectives because they passed different "
                              "arguments; pass the same arguments on every rank, or a larger timeout "
                              "if a single broadcast really takes that long",)}

@@ -127,7 +127,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
               "must see the same")]
     decided = agree(platform, equal=equal, derivable=entries is not None, failed=failed,
                     entries=entries or [], host=host, local_world=local_world, watch=watch,
-                    checks_failed=guess is not None and bool(guess.errors))
+                    checks_failed=guess is not None and bool(guess.errors), checked=guess is not None)
     if not decided.derived:
         logger.debug("rank %d: some rank cannot derive its wants; gathering them", rank)
         return None

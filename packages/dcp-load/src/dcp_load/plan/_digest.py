@@ -161,18 +161,19 @@ def _torch(platform: Any) -> bool:
     return getattr(platform, "name", "") in ("torch", "ascend")
 
 
-def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> list[int]:
+def all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None, phases: int = 1) -> list[int]:
     """Element-wise MAX or SUM of int64 ``lanes`` over all ranks, on the CPU; with ``watch``
-    (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died)."""
-    return start_all_reduce(platform, lanes, op, watch).result()
+    (a ``dcp_platform.Watch``) the wait is bounded by it (``PeerFailure`` once a peer died),
+    ``phases`` times its bound when the others make that many steps before joining."""
+    return start_all_reduce(platform, lanes, op, watch, phases).result()
 
 
 class Reduction:
     """An ``all_reduce`` in flight (``start_all_reduce``): ``ready()`` says, without waiting,
     whether it completed; ``result()`` waits for it (bounded by the watch) and returns it."""
 
-    def __init__(self, work: Any, tensor: Any, watch: Any, done: list[int] | None = None):
-        self._work, self._t, self._watch, self._done = work, tensor, watch, done
+    def __init__(self, work: Any, tensor: Any, watch: Any, done: list[int] | None = None, phases: int = 1):
+        self._work, self._t, self._watch, self._done, self._phases = work, tensor, watch, done, phases
 
     def ready(self) -> bool:
         return self._done is not None or bool(self._work.is_completed())
@@ -180,17 +181,18 @@ class Reduction:
     def result(self) -> list[int]:
         if self._done is None:
             if self._watch is not None:
-                self._watch.wait(self._work)
+                self._watch.wait(self._work, phases=self._phases)
             else:
                 self._work.wait()
             self._done = [int(v) for v in self._t.tolist()]
         return self._done
 
 
-def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None) -> Reduction:
+def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None, phases: int = 1) -> Reduction:
     """``all_reduce`` begun: the caller works meanwhile, then calls ``result()`` (on failure
     too: the collective is in flight on every rank). On torch the reduction runs on the
-    process group's own thread; other platforms gather here, before returning."""
+    process group's own thread; other platforms gather here, before returning. ``phases``:
+    the steps of local work the others may still make before joining (``Watch.wait``)."""
     if _torch(platform):
         import torch
         import torch.distributed as dist
@@ -198,7 +200,7 @@ def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = 
         t = torch.tensor(list(lanes), dtype=torch.int64)
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
                                group=control_group(platform), async_op=True)
-        return Reduction(work, t, watch)
+        return Reduction(work, t, watch, phases=phases)
     # Other platforms gather (each rank still sends only its lanes) and reduce here.
     gathered = gather(platform, list(lanes), watch)
     reduce = max if op == "max" else sum
@@ -273,7 +275,7 @@ def all_equal(sums: Sequence[int], world: int) -> list[bool]:
 
 def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, failed: bool,
           entries: Sequence[Derived], host: str, local_world: int, watch: Any = None,
-          checks_failed: bool = False) -> Agreement:
+          checks_failed: bool = False, checked: bool = False) -> Agreement:
     """The digest exchange (module docstring); raises ``LoadError`` on every rank when
     derivable ranks disagree. ``equal``: (hash, what it stands for, shown on a mismatch)
     for metadata, settings and host mode, which every rank must share; the metadata's is
@@ -286,7 +288,8 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     hosts = host_lane(host, rank, world, local_world) if local_world else 0
     lanes = [*equal_lanes([*equal, digest(host)]), int(derivable), int(failed), secrets.randbelow(1 << _HALF),
              int(_countable(entries, world)), *_split(holders), *_split(hosts), int(checks_failed)]
-    sums = all_reduce(platform, lanes, "sum", watch)
+    # With checks, the others prepare and check their reads before joining: two steps.
+    sums = all_reduce(platform, lanes, "sum", watch, phases=2 if checked else 1)
     n, at = len(equal), 6 * (len(equal) + 1)
     flags = all_equal(sums[:at], world)
     derivable_all, failed_any, nonce, counted = sums[at] == world, sums[at + 1] > 0, sums[at + 2], sums[at + 3] > 0

@@ -23,14 +23,14 @@ from ..layouts._target_for import target_for
 from ..layouts._targets import Target, in_mesh
 from ..plan._derived import checkpoint_digest, derived_plan, ensure_groups, settings_text
 from ..plan._digest import checkpoint_causes
-from ..plan._hosts import host_id
+from ..plan._hosts import HOST_ID_ENV, host_id
 from ..plan._plan import BROADCASTABLE, VIEWS, Want, build_global_plan
 from ._coordinate import Coordinator, skip_slot, timeout_seconds
 from ._execute import execute
 from ._progress import Progress
 from ._report import LoadReport
 from ._shared_open import local_storage, open_shared
-from ._validate import check_dtypes, check_launch, check_reads, check_targets, exchange
+from ._validate import ReadChecks, check_dtypes, check_launch, check_reads, check_targets, exchange
 
 __all__ = ["AUTO", "Phases", "Prepared", "enter", "fallback_platform", "make_plan", "make_report", "prepare",
            "resolve_platform", "run_plan", "validate_reads", "effective_mode", "open_reader", "finish", "close",
@@ -110,6 +110,11 @@ class Phases:
         logger.debug("rank %d: load phase %s took %.4f s", self.rank, phase, now - self._mark)
         self.progress.phase(phase, now - self._mark, nbytes)
         self._mark = now
+
+    def credit(self, phase: str, seconds: float) -> None:
+        """Count ``seconds`` just spent inside the running phase as ``phase``'s instead."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self._mark += seconds
 
 
 def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
@@ -210,6 +215,8 @@ class Prepared:
     composed: list[tuple[str, int]] = field(default_factory=list)
     #: broadcast groups the load made and closes once every rank finished (``finish``)
     groups: Any = None
+    #: what the read checks found so far (a guessed plan's, then the plan run's)
+    read_checks: ReadChecks = field(default_factory=ReadChecks)
 
 
 def prepare(prep: Prepared, leaves: list[Any], errors: list[str], platform: Any, broadcast: bool, *,
@@ -281,13 +288,18 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
     got: dict[str, Any] = {}
 
     def check(plan: Any) -> list[str]:  # validate_reads' checks, made before the digest exchange
-        errs, got["values"] = check_reads(reader, plan.reads_for(platform.rank()), prep.values)
+        t0 = time.perf_counter()
+        errs, got["values"] = check_reads(reader, plan.reads_for(platform.rank()), prep.values, prep.read_checks)
+        phases.credit("validate", time.perf_counter() - t0)
         return errs
 
+    # With $DCP_HOST_ID the hosts are most likely several: the guessed plan (one host) would
+    # be planned and checked for nothing.
+    guess = check if not (broadcast and os.environ.get(HOST_ID_ENV)) else None
     derived = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants,
                            prep.by_value, failed=bool(errors), settings=settings, broadcast=broadcast,
                            same_host_reads=mode == AUTO, custom_planner=planner is not None, watch=coord.waiter,
-                           meta_hash=meta_hash, checkpoint=path, check=check) if collective else None
+                           meta_hash=meta_hash, checkpoint=path, check=guess) if collective else None
     if derived is not None:
         phases.end("prepare")
         phases.end("plan")
@@ -375,7 +387,7 @@ def validate_reads(coord: Coordinator, prep: Prepared, plan: Any, me: int, colle
             coord.check(errs, "validate", collective=collective)
         phases.end("validate")
         return got
-    errs, got = check_reads(prep.reader, plan.reads_for(me), prep.values)
+    errs, got = check_reads(prep.reader, plan.reads_for(me), prep.values, prep.read_checks)
     coord.check(errs, "validate", collective=collective)
     phases.end("validate")
     return got

@@ -20,7 +20,7 @@ from ..layouts._state import Leaf
 from ..layouts._targets import Target
 from ..plan._items import ReadItem
 
-__all__ = ["check_dtypes", "check_launch", "check_reads", "check_targets", "exchange", "summarise"]
+__all__ = ["ReadChecks", "check_dtypes", "check_launch", "check_reads", "check_targets", "exchange", "summarise"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,37 +162,51 @@ def check_dtypes(targets: Sequence[Target], metadata: Any, allow_cast: bool) -> 
     return [f"dtype mismatch for {len(bad)} tensor(s): {summarise(bad)}; {fix}"], cast
 
 
-def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf]
-                ) -> tuple[list[str], dict[str, Any]]:
+class ReadChecks:
+    """What ``check_reads`` found, by saved chunk and for the values: a second call with the
+    same ``ReadChecks`` checks only the chunks the first did not, and reads no value again
+    (``load`` checks a guessed plan's reads before the digest exchange, and the plan it
+    then runs may differ)."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[str, int], str | None] = {}
+        self.values: tuple[list[str], dict[str, Any]] | None = None
+
+
+def check_reads(reader: Any, items: Sequence[ReadItem], values: Sequence[Leaf],
+                checks: ReadChecks | None = None) -> tuple[list[str], dict[str, Any]]:
     """Open every data file this rank will read, and read its non-tensor values.
 
     For each saved chunk this rank reads from, the reader checks the chunk without reading
     its data (``CheckpointReader.check_chunk``): the file opens, its header or blob index
     parses, agrees with the metadata and places the chunk inside the file, so a truncated
     file or a corrupt blob fails here, before any write. Returns (errors, values read by
-    name).
+    name). ``checks``: what earlier calls found (module ``ReadChecks``), added to here.
     """
-    errors: list[str] = []
+    checks = ReadChecks() if checks is None else checks
     tensors = reader.metadata.tensors
-    if hasattr(reader, "prefetch"):  # an object store opens its files in parallel
-        reader.prefetch([tensors[i.name].chunks[i.chunk].file for i in items])
-    seen: set[tuple[str, int]] = set()
-    for item in items:
-        if (item.name, item.chunk) in seen:
-            continue
-        seen.add((item.name, item.chunk))
-        chunk = tensors[item.name].chunks[item.chunk]
+    keys = list(dict.fromkeys((i.name, i.chunk) for i in items))
+    new = [k for k in keys if k not in checks.chunks]
+    if new and hasattr(reader, "prefetch"):  # an object store opens its files in parallel
+        reader.prefetch([tensors[name].chunks[c].file for name, c in new])
+    for name, c in new:
+        chunk = tensors[name].chunks[c]
         try:
-            reader.check_chunk(item.name, chunk)
+            reader.check_chunk(name, chunk)
+            checks.chunks[(name, c)] = None
         except Exception as exc:  # noqa: BLE001 - every failure is reported to all ranks, not raised here
-            errors.append(f"cannot read {item.name!r} from {chunk.file!r}: {type(exc).__name__}: {exc}")
-    got: dict[str, Any] = {}
-    for leaf in values:
-        try:
-            got[leaf.name] = reader.read_value(leaf.name)
-        except Exception as exc:  # noqa: BLE001 - as above
-            errors.append(f"cannot read value {leaf.name!r}: {type(exc).__name__}: {exc}")
-    return errors, got
+            checks.chunks[(name, c)] = f"cannot read {name!r} from {chunk.file!r}: {type(exc).__name__}: {exc}"
+    errors = [e for e in (checks.chunks[k] for k in keys) if e is not None]
+    if checks.values is None:
+        value_errors: list[str] = []
+        got: dict[str, Any] = {}
+        for leaf in values:
+            try:
+                got[leaf.name] = reader.read_value(leaf.name)
+            except Exception as exc:  # noqa: BLE001 - as above
+                value_errors.append(f"cannot read value {leaf.name!r}: {type(exc).__name__}: {exc}")
+        checks.values = (value_errors, got)
+    return errors + checks.values[0], checks.values[1]
 
 
 def exchange(platform: Any, errors: Sequence[str], phase: str, *, collective: bool,
