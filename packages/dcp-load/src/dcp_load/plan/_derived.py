@@ -101,7 +101,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     ``meta_hash``: the checkpoint's ``checkpoint_digest`` (default: ``metadata_digest`` of
     ``tensors``). ``checkpoint``: the path of the checkpoint opened, shown when ranks' metadata differs.
     ``check(plan) -> errors``: run on the plan this rank derives with the hosts it expects
-    (``_guess_hosts``) before the exchange, which then also says whether any rank's
+    (``_checked_guess``) before the exchange, which then also says whether any rank's
     checks failed; used when the exchange confirms those hosts.
     """
     start = time.perf_counter()

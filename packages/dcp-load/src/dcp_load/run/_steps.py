@@ -295,11 +295,11 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
 
     # With $DCP_HOST_ID the hosts are most likely several: the guessed plan (one host) would
     # be planned and checked for nothing.
-    guess = check if not (broadcast and os.environ.get(HOST_ID_ENV)) else None
+    check_first = check if not (broadcast and os.environ.get(HOST_ID_ENV)) else None
     derived = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants,
                            prep.by_value, failed=bool(errors), settings=settings, broadcast=broadcast,
                            same_host_reads=mode == AUTO, custom_planner=planner is not None, watch=coord.waiter,
-                           meta_hash=meta_hash, checkpoint=path, check=guess) if collective else None
+                           meta_hash=meta_hash, checkpoint=path, check=check_first) if collective else None
     if derived is not None:
         phases.end("prepare")
         phases.end("plan")

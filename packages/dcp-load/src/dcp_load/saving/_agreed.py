@@ -33,7 +33,7 @@ from typing import Any
 
 from ..plan._digest import all_equal, digest, equal_lanes, start_all_reduce
 
-__all__ = ["REMEMBERED", "Agreed", "Pending", "forget", "remember", "start"]
+__all__ = ["REMEMBERED", "Agreed", "Pending", "remember", "renamed", "start"]
 
 #: Layouts every rank keeps (a model-only and a full save alternating fit, with room).
 REMEMBERED = 4
@@ -76,19 +76,13 @@ def remember(world: int, rank: int, gathered: list[Any], tensors: dict[str, Any]
         _REMEMBERED[:] = [e for e in _REMEMBERED if e.whole != whole][-(REMEMBERED - 1):] + [entry]
 
 
-def forget() -> None:
-    """Drop every remembered layout (the next save gathers again)."""
-    with _LOCK:
-        _REMEMBERED.clear()
-
-
 class Pending:
     """The all-reduce of ``start`` in flight. ``guess``: the items this rank wrote in the
     newest layout it holds as it did (the others most likely do too), or None. Call
     ``result()`` exactly once, on failure too: the collective is in flight on every rank."""
 
-    def __init__(self, kept: list[Agreed], hits: list[bool], reduction: Any, world: int, path: str):
-        self._kept, self._reduction, self._world, self._path = kept, reduction, world, path
+    def __init__(self, kept: list[Agreed], hits: list[bool], reduction: Any, world: int):
+        self._kept, self._reduction, self._world = kept, reduction, world
         self._missed: bool | None = None
         newest = max((k for k, hit in enumerate(hits) if hit), default=None)
         self.guess: list[Any] | None = None if newest is None else list(kept[newest].mine)
@@ -138,7 +132,7 @@ def start(platform: Any, watch: Any, *, world: int, rank: int, holdings: list[An
     sid = int(save_id, 16) if rank == 0 and save_id else 0
     ids = [(sid >> (_ID_CHUNK * k)) & ((1 << _ID_CHUNK) - 1) for k in range(3)]
     lanes = [int(failed), *map(int, hits), *equal_lanes([*wholes, digest(path)]), *ids]
-    return Pending(kept, hits, start_all_reduce(platform, lanes, "sum", watch), world, path)
+    return Pending(kept, hits, start_all_reduce(platform, lanes, "sum", watch), world)
 
 
 def renamed(tensors: dict[str, Any], old_id: str, new_id: str) -> dict[str, Any]:
