@@ -183,6 +183,7 @@ def test_histogram_bins_are_distinct_when_sizes_round_alike() -> None:
     assert len(set(edges)) == len(edges) == 8, lines
     assert edges[0] == "3,904 B - 3,905 B" and edges[-1] == "3,911 B - 3,912 B", edges
     assert len(histogram([10, 12])) == 2  # never more bins than byte counts between the extremes
+    assert [line.split("|")[0].split() for line in histogram([0, 1])] == [["0", "B", "-", "1", "B"], ["1", "B", "-", "2", "B"]]
 
 
 class _TTY(io.StringIO):

@@ -59,8 +59,10 @@ def histogram(values: Sequence[int], bins: int = 8, width: int = 40) -> list[str
     lo, hi = min(values), max(values)
     if lo == hi:
         return [f"  {human_bytes(lo):>9} (every rank) | {'#' * width} {len(values)}"]
-    bins = max(1, min(bins, hi - lo))
+    bins = min(bins, hi - lo)
     step = (hi - lo) / bins
+    if bins == 1:  # two byte counts side by side: a bin for each, one byte wide
+        bins, step = 2, 1
     counts = [0] * bins
     for v in values:
         counts[min(bins - 1, int((v - lo) / step))] += 1
