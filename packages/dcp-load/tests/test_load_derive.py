@@ -79,7 +79,7 @@ def _jobs(draw):
     hosts = draw(st.sampled_from([None, 1, 2]))
     host_list = None if hosts is None else [f"h{r * hosts // world}" for r in range(world)]
     split = draw(st.sampled_from([0, 4, 16, 1 << 20]))
-    return mesh_shape, world, tensors, layouts, host_list, split
+    return mesh_shape, world, tensors, layouts, host_list, split, draw(st.booleans())
 
 
 def _derived_and_gathered(mesh_shape, world, tensors, layouts):
@@ -107,12 +107,12 @@ def _derived_and_gathered(mesh_shape, world, tensors, layouts):
 @settings(max_examples=100, deadline=None)
 @given(_jobs())
 def test_each_ranks_derived_plan_equals_its_part_of_the_gathered_plan(job):
-    mesh_shape, world, tensors, layouts, hosts, split = job
+    mesh_shape, world, tensors, layouts, hosts, split, relay = job
     entries, wants = _derived_and_gathered(mesh_shape, world, tensors, layouts)
-    full = build_global_plan(tensors, wants, hosts=hosts, split_bytes=split)
+    full = build_global_plan(tensors, wants, hosts=hosts, split_bytes=split, relay=relay)
     unique = 0
     for r in range(world):
-        mine = plan_for_rank(tensors, entries[r], r, world, hosts=hosts, split_bytes=split)
+        mine = plan_for_rank(tensors, entries[r], r, world, hosts=hosts, split_bytes=split, relay=relay)
         reads, bcasts = restrict(full, r)
         assert mine.reads_for(r) == reads
         assert list(mine.broadcasts) == bcasts

@@ -232,7 +232,7 @@ def _tilings(draw):
     saved = [_cuts(draw, n) for n in shape]
     wanted = [_cuts(draw, n) for n in shape]
     replicas = draw(st.integers(1, 3))
-    return shape, saved, wanted, replicas
+    return shape, saved, wanted, replicas, draw(st.booleans())
 
 
 def _boxes(cuts):
@@ -245,12 +245,15 @@ def _boxes(cuts):
 @settings(max_examples=60, deadline=None)
 @given(_tilings())
 def test_any_resharding_reads_each_wanted_element_once(case):
-    shape, saved, wanted, replicas = case
+    shape, saved, wanted, replicas, relay = case
     tensors = {"t": T(shape, tuple(C(o, s, f"f{i}") for i, (o, s) in enumerate(_boxes(saved))), 1)}
     wanted_boxes = list(_boxes(wanted))
     # ranks r*k .. hold wanted box k (each box held by `replicas` ranks)
     wants = [[("t", o, s, BOTH)] for o, s in wanted_boxes for _ in range(replicas)]
-    plan = build_global_plan(tensors, wants)
+    plan = build_global_plan(tensors, wants, relay=relay)
+    for rank, (want,) in enumerate(wants):  # each rank gets each element of its box once, nothing else
+        cells = [[(o + i, 1) for i in range(n)] for o, n in zip(want[1], want[2], strict=True)]
+        assert _received(plan, rank) == {("t", idx[0]): 1 for idx in _boxes(cells)}
     seen = {}
     for item in plan.broadcasts + plan.local:
         for idx in _boxes([[(o + i, 1) for i in range(s)] for o, s in zip(item.offsets, item.sizes, strict=True)]):
@@ -276,10 +279,11 @@ def _rows_read_by_host(plan, tensors, hosts):
 
 
 def _received(plan, rank):
-    """Every (name, element index) that ``rank`` gets: read itself or received."""
+    """Every (name, element index) that ``rank`` gets: read itself or received (not what
+    it only relays)."""
     got: dict[tuple[str, tuple[int, ...]], int] = {}
     for item in plan.broadcasts + plan.local:
-        if rank not in item.ranks:
+        if rank not in item.wanting:
             continue
         cells = [[(o + i, 1) for i in range(s)] for o, s in zip(item.offsets, item.sizes, strict=True)]
         for idx in _boxes(cells):
@@ -328,7 +332,7 @@ def test_casts_travel_in_the_destination_dtype() -> None:
 
 @st.composite
 def _host_layouts(draw):
-    shape, saved, wanted, _ = draw(_tilings())
+    shape, saved, wanted, _, _ = draw(_tilings())
     hosts = draw(st.integers(1, 3))
     same_host = draw(st.booleans())
     split = draw(st.sampled_from([0, 4, 16, 1 << 20]))
@@ -353,3 +357,43 @@ def test_each_stored_row_is_read_by_one_host(case):
     by_row = _rows_read_by_host(plan, tensors, hosts)
     assert all(len(h) == 1 for h in by_row.values())
     assert sum(plan.loads) >= plan.unique_bytes == math.prod(shape)
+
+
+# -- object storage: whole rows read by one rank, the other columns relayed ---------------
+
+
+def test_relayed_columns_make_each_slab_one_rank_s_whole_rows() -> None:
+    # DP2 x TP2 of a (64, 8) weight saved whole, column halves: ranks 0, 2 hold columns 0-3,
+    # ranks 1, 3 columns 4-7. With relay every row slab is read by one rank, both halves,
+    # and the half it does not hold is relayed to its holders.
+    from dcp_load.run._together import row_groups
+
+    tensors = {"w": T((64, 8), (C((0, 0), (64, 8)),), 4)}
+    wants = [[("w", (0, 4 * (r % 2)), (64, 4), BOTH)] for r in range(4)]
+    plan = build_global_plan(tensors, wants, split_bytes=256, relay=True)
+    assert plan.fetched_bytes == plan.unique_bytes == 64 * 8 * 4 and plan.local == ()
+    relayed = [i for i in plan.broadcasts if i.relay]
+    assert relayed and all(i.reader in i.ranks and i.reader not in i.wanting for i in relayed)
+    assert all(i.wanting in ((0, 2), (1, 3)) for i in plan.broadcasts)
+    readers = {i.reader for i in plan.broadcasts}
+    assert len(readers) > 1  # the slabs are spread over the ranks
+    for r in readers:
+        reads = plan.reads_for(r)
+        groups = row_groups(reads)
+        assert all(len(g) == 2 for g in groups), groups  # each slab: both halves, read together
+        for g in groups:
+            assert sorted(reads[i].offsets[1] for i in g) == [0, 4]
+    without = build_global_plan(tensors, wants, split_bytes=256)
+    assert not any(i.relay for i in without.broadcasts)
+    assert all(len(g) == 1 for r in range(4) for g in row_groups(without.reads_for(r)))  # one half each
+
+
+def test_relay_needs_one_dtype_and_leaves_contiguous_boxes_alone() -> None:
+    tensors = {"w": T((64, 8), (C((0, 0), (64, 8)),), 4)}
+    mixed = [[("w", (0, 4 * (r % 2)), (64, 4), BOTH, "float32" if r % 2 else "bfloat16")] for r in range(4)]
+    assert not any(i.relay for i in build_global_plan(tensors, mixed, split_bytes=256, relay=True).broadcasts)
+    rows_only = [[("w", (32 * (r % 2), 0), (32, 8), BOTH)] for r in range(4)]  # one box per row interval
+    assert not any(i.relay for i in build_global_plan(tensors, rows_only, split_bytes=256, relay=True).broadcasts)
+    halves = [[("w", (0, 4 * (r % 2)), (64, 4), BOTH)] for r in range(4)]
+    own = build_global_plan(tensors, halves, split_bytes=256, relay=True, broadcast=False)
+    assert own.broadcasts == () and all(len(i.ranks) == 2 for i in own.local)  # no broadcasts: none relayed

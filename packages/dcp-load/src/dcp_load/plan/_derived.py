@@ -46,7 +46,8 @@ def metadata_digest(tensors: Mapping[str, Any], *, values: Mapping[str, Any] | N
 def settings_text(settings: tuple[Any, ...]) -> str:
     """The broadcast settings ``_load`` compares, as a person reads them (in mismatch errors)."""
     return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
-            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}")
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}"
+            + (f", storage={'an object store' if settings[4] else 'local'}" if len(settings) > 4 else ""))
 
 
 def checkpoint_digest(reader: Any) -> int:
@@ -91,8 +92,8 @@ class Derivation:
 def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want], values: Mapping[str, Any], *,
                  failed: bool, settings: tuple[Any, ...], broadcast: bool, same_host_reads: bool,
                  custom_planner: bool, watch: Any = None, meta_hash: int | None = None,
-                 checkpoint: Any = None, check: Callable[[GlobalPlan], list[str]] | None = None
-                 ) -> Derivation | None:
+                 checkpoint: Any = None, check: Callable[[GlobalPlan], list[str]] | None = None,
+                 relay: bool = False) -> Derivation | None:
     """This rank's plan, or None for the gathered path (module docstring).
 
     ``wants``: this rank's ``(name, offsets, sizes, flags, dtype)``; ``values``: the state
@@ -102,7 +103,8 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     ``tensors``). ``checkpoint``: the path of the checkpoint opened, shown when ranks' metadata differs.
     ``check(plan) -> errors``: run on the plan this rank derives with the hosts it expects
     (``_checked_guess``) before the exchange, which then also says whether any rank's
-    checks failed; used when the exchange confirms those hosts.
+    checks failed; used when the exchange confirms those hosts. ``relay``: as for
+    ``build_global_plan`` (the checkpoint is in an object store).
     """
     start = time.perf_counter()
     rank, world = platform.rank(), platform.world_size()
@@ -119,7 +121,8 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     host = host_id() if broadcast else ""
     guess = None
     if entries is not None and check is not None:
-        guess = _checked_guess(tensors, entries, rank, world, broadcast, local_world, host, same_host_reads, check)
+        guess = _checked_guess(tensors, entries, rank, world, broadcast, local_world, host, same_host_reads, check,
+                               relay)
     equal = [(meta_hash, checkpoint),  # shown by _digest.checkpoint_causes
              (digest(settings, custom_planner), f"{settings_text(settings)}: every rank must pass "
               "the same broadcast settings"),
@@ -140,7 +143,7 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
         hosts = (HostBlocks(world, local_world) if decided.hosts_derived
                  else [host] * world if decided.one_host else gather_hosts(platform, host, watch))
     plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
-                         same_host_reads=same_host_reads)
+                         same_host_reads=same_host_reads, relay=relay)
     logger.debug("rank %d: derived plan of %d tensor(s) in %.4f s (%d broadcast(s), hosts %s)", rank,
                  len(entries), time.perf_counter() - start, len(plan.broadcasts),
                  "derived" if decided.hosts_derived else "gathered" if broadcast else "unused")
@@ -149,14 +152,14 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
 
 def _checked_guess(tensors: Mapping[str, Any], entries: list[Derived], rank: int, world: int, broadcast: bool,
                    local_world: int, host: str, same_host_reads: bool,
-                   check: Callable[[GlobalPlan], list[str]]) -> Derivation:
+                   check: Callable[[GlobalPlan], list[str]], relay: bool) -> Derivation:
     """This rank's plan with the hosts it expects the exchange to confirm (derived from
     ``$LOCAL_WORLD_SIZE``, else every rank on this host), and ``check``'s errors on it (an
     exception is an error too: the exchange carries it to every rank)."""
     hosts = (HostBlocks(world, local_world) if local_world else [host] * world) if broadcast else None
     try:
         plan = plan_for_rank(tensors, entries, rank, world, broadcast=broadcast, hosts=hosts,
-                             same_host_reads=same_host_reads)
+                             same_host_reads=same_host_reads, relay=relay)
     except Exception as exc:  # noqa: BLE001 - the checks fail on this rank; the exchange tells the others
         nothing = GlobalPlan(world, (), (), (0,) * world, 0, rank=rank)  # never run: the checks failed
         return Derivation(nothing, checked=True, errors=[f"{type(exc).__name__}: {exc}"])

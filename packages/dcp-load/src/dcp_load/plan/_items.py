@@ -59,6 +59,10 @@ class ReadItem:
     ``cached``: the ranks re-read the box from the page cache of their host, which a
     broadcast item's reader on that host fetched and checked (block checksums are verified
     by that reader, once per host, not again by each of these ranks).
+    ``relay``: ``reader`` holds no destination of this box: it reads the box into a staging
+    tensor only to send it (on object storage, one rank fetches whole rows of a
+    column-sharded chunk in few GETs and relays the other ranks' columns, ``_owners``);
+    ``ranks`` then holds ``reader`` too, as the broadcast group does.
     """
 
     name: str
@@ -70,17 +74,25 @@ class ReadItem:
     reader: int | None = None
     dtype: str = ""
     cached: bool = False
+    relay: bool = False
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
             raise ValueError(f"ReadItem {self.name!r}: offsets {self.offsets} and sizes {self.sizes} differ in rank")
         if self.reader is not None and self.reader not in self.ranks:
             raise ValueError(f"ReadItem {self.name!r}: reader {self.reader} is not one of ranks {self.ranks}")
+        if self.relay and self.reader is None:
+            raise ValueError(f"ReadItem {self.name!r}: a relayed box needs its reader")
 
     @property
     def replicated(self) -> bool:
         """True when one reader broadcasts this box to the other ranks that want it."""
         return self.reader is not None
+
+    @property
+    def wanting(self) -> tuple[int, ...]:
+        """The ranks whose destinations take this box (``ranks`` without a relay's reader)."""
+        return tuple(r for r in self.ranks if r != self.reader) if self.relay else self.ranks
 
 
 class Planner(Protocol):

@@ -21,7 +21,8 @@ __all__ = ["held_by", "plan_for_rank", "restrict"]
 
 def plan_for_rank(tensors: Mapping[str, Any], entries: Sequence[Derived], rank: int, world: int, *,
                   broadcast: bool = True, hosts: Sequence[Any] | None = None,
-                  same_host_reads: bool | None = None, split_bytes: int = SPLIT_BYTES) -> GlobalPlan:
+                  same_host_reads: bool | None = None, split_bytes: int = SPLIT_BYTES,
+                  relay: bool = False) -> GlobalPlan:
     """``rank``'s part of the plan ``build_global_plan`` makes from every rank's wants.
 
     ``entries``: this rank's derived entries (names missing from ``tensors`` are skipped).
@@ -35,7 +36,7 @@ def plan_for_rank(tensors: Mapping[str, Any], entries: Sequence[Derived], rank: 
         raise ValueError(f"plan_for_rank: {len(hosts)} hosts for {world} ranks")
     auto = hosts is not None if same_host_reads is None else bool(same_host_reads)
     builder = PlanBuilder(world, broadcast=broadcast, hosts=hosts, same_host_reads=auto,
-                          split_bytes=split_bytes, custom=False, only=rank)
+                          split_bytes=split_bytes, custom=False, only=rank, relay=relay)
     for e in entries:
         if e.name in tensors:
             builder.add_tensor(e.name, tensors[e.name], held_by(e))

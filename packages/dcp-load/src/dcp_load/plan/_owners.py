@@ -24,6 +24,12 @@ tensors, so that a rank can plan only the tensors it holds):
   have a holder), which fetches the slab's pages once; the other holders receive it.
 * With ``same_host_reads`` the holders on the reader's host read the box themselves from
   the page cache the reader filled, and only holders on other hosts receive the broadcast.
+* With ``relay`` (the checkpoint is in an object store) a slab whose boxes are several
+  column boxes of one dtype is read whole by one rank: the holder of any of its boxes
+  nearest to the anchor. It broadcasts each box to its holders, relaying those it does not
+  hold (``ReadItem.relay``). A column box's rows are interleaved with the other columns in
+  the file, so read by its own holders each slab costs a GET per row or fetches the other
+  columns too; read whole by one rank it is one range of a few GETs, fetched once.
 
 A box wanted by one rank only is read by that rank. When the owner's host holds none of a
 slab's boxes' ranks, the nearest holder elsewhere reads it: the slab's pages are then
@@ -90,8 +96,11 @@ class PlanBuilder:
     """
 
     def __init__(self, world: int, *, broadcast: bool, hosts: Sequence[str] | None,
-                 same_host_reads: bool, split_bytes: int, custom: bool, only: int | None = None):
+                 same_host_reads: bool, split_bytes: int, custom: bool, only: int | None = None,
+                 relay: bool = False):
         self.world, self.broadcast, self.auto = world, broadcast, same_host_reads
+        # whole rows by one rank, the others' columns relayed (object storage: ``_relayed``)
+        self.relay = relay and broadcast and not same_host_reads and not custom
         self.only, self._lead = only, True
         self.split_bytes, self.custom = split_bytes, custom
         # Any sequence (``HostBlocks`` computes a host arithmetically): never copied, since
@@ -152,11 +161,7 @@ class PlanBuilder:
 
     def _union(self, members: Sequence[Piece]) -> tuple[int, ...]:
         """The interned union of the pieces' (interned) rank sets."""
-        key = tuple(sorted({id(m[3]) for m in members}))
-        out = self._unions.get(key)
-        if out is None:
-            out = self._unions[key] = self.intern(tuple(sorted({r for m in members for r in m[3]})))
-        return out
+        return self._union_of([m[3] for m in members])
 
     def _mine(self, ranks: Sequence[int]) -> bool:
         """Whether this builder's rank (``only``) is in the sorted ``ranks`` (or no ``only``)."""
@@ -300,6 +305,8 @@ class PlanBuilder:
         16k-rank job passes here ~6,000 times per rank, so it avoids per-box allocations
         for boxes this rank (``only``) has no part in."""
         charged: list[tuple[int, int]] = []
+        if self.relay and anchor is not None and self._relayable(boxes):
+            return self._relayed(name, index, boxes, a, b, anchor)
         anchor_host = self.host[anchor] if anchor is not None else None
         rows = b - a
         fast = anchor is not None and self.broadcast and not self.custom
@@ -342,6 +349,49 @@ class PlanBuilder:
                 continue
             self._local(name, index, box, nbytes, dtype, ranks, stored, len(self.on_host(ranks)))
         return charged
+
+    @staticmethod
+    def _relayable(boxes: Sequence[tuple[Any, ...]]) -> bool:
+        """Whether a slab's boxes are column boxes one rank can read as whole rows: several,
+        every one broadcastable, of rows (not 0-dim), in one destination dtype."""
+        return len(boxes) > 1 and all(bx[4] and not bx[8] and bx[2] == boxes[0][2] for bx in boxes)
+
+    def _relayed(self, name: str, index: int, boxes: Sequence[tuple[Any, ...]], a: int, b: int,
+                 anchor: int) -> list[tuple[int, int]]:
+        """Rows [a, b) of a column-sharded chunk on object storage: the holder of any of the
+        slab's boxes nearest to ``anchor`` reads every box (its reads of one slab are one
+        range of whole rows, a few GETs with no byte fetched twice) and broadcasts each to
+        its holders; a box it does not hold it relays (``ReadItem.relay``)."""
+        src = self._nearest(self._union_of([bx[3] for bx in boxes]), anchor)
+        charged = []
+        rows = b - a
+        for tail_o, tail_s, dtype, ranks, _, row_stored, row_nbytes, mine, _ in boxes:
+            stored = rows * row_stored
+            if self._lead:
+                self.unique += stored
+                self.fetched += stored
+            self.loads[src] += stored
+            charged.append((src, stored))
+            relay = not self._mine_of(ranks, src)
+            if mine or self.only == src:
+                group = self.intern(tuple(sorted((*ranks, src)))) if relay else ranks
+                self.broadcasts.append(ReadItem(name, index, (a, *tail_o), (rows, *tail_s), rows * row_nbytes, group,
+                                                src, dtype, relay=relay))
+        return charged
+
+    def _union_of(self, rank_sets: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+        """The interned union of interned rank sets (cached by their ids)."""
+        key = tuple(sorted({id(r) for r in rank_sets}))
+        out = self._unions.get(key)
+        if out is None:
+            out = self._unions[key] = self.intern(tuple(sorted({r for ranks in rank_sets for r in ranks})))
+        return out
+
+    @staticmethod
+    def _mine_of(ranks: Sequence[int], rank: int) -> bool:
+        """Whether ``rank`` is in the sorted ``ranks``."""
+        i = bisect.bisect_left(ranks, rank)
+        return i < len(ranks) and ranks[i] == rank
 
     @staticmethod
     def _nearest(near: Sequence[int], anchor: int) -> int:

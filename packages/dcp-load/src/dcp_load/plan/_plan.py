@@ -56,6 +56,7 @@ def build_global_plan(
     split_bytes: int = SPLIT_BYTES,
     hosts: Sequence[str] | None = None,
     same_host_reads: bool | None = None,
+    relay: bool = False,
 ) -> GlobalPlan:
     """The plan every rank derives from the gathered ``wants`` (index = rank).
 
@@ -72,14 +73,16 @@ def build_global_plan(
     owner's ranks; with ``same_host_reads`` the other ranks of the reader's host read the
     box themselves (from the page cache the reader filled) and only other hosts receive
     the broadcast. ``planner``: chooses the reader of each replica group instead of the
-    owner rule (which then no longer keeps page-sharing boxes on one host).
+    owner rule (which then no longer keeps page-sharing boxes on one host). ``relay``: the
+    checkpoint is in an object store: a row slab of a column-sharded chunk is read whole by
+    one rank, which relays the columns it does not hold (``ReadItem.relay``).
     """
     world = len(wants)
     if hosts is not None and len(hosts) != world:
         raise ValueError(f"build_global_plan: {len(hosts)} hosts for {world} ranks")
     auto = hosts is not None if same_host_reads is None else bool(same_host_reads)
     builder = PlanBuilder(world, broadcast=broadcast, hosts=hosts, same_host_reads=auto,
-                          split_bytes=split_bytes, custom=planner is not None)
+                          split_bytes=split_bytes, custom=planner is not None, relay=relay)
     for name, held in collect_boxes(tensors, wants).items():
         builder.add_tensor(name, tensors[name], held)
     builder.settle()

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..layouts._targets import Target
-from ._stage import _narrowed, stage_pieces
+from ._stage import narrowed, stage_pieces
 
 __all__ = ["DeviceLoad"]
 
@@ -81,7 +81,7 @@ class DeviceLoad:
             staged = buf[:math.prod(sizes) * saved.itemsize].view(saved).view(sizes)
             reader.read_into(item.name, chunk, offsets, sizes, staged, verify=verify)
             with torch_no_grad():
-                event = engine.to_device(_narrowed(dest, item.offsets, offsets, sizes), staged)
+                event = engine.to_device(narrowed(dest, item.offsets, offsets, sizes), staged)
         finally:
             ring.release(buf, event)
         return event

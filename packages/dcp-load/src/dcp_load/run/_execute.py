@@ -30,6 +30,7 @@ from ..plan._items import GlobalPlan, ReadItem
 from ..plan._read_cost import ReadCost, choose, read_cost_of
 from ._device import DeviceLoad
 from ._stage import StagingPool, can_cover, covering_geometry, read_covering, read_staged, saved_box
+from ._together import read_together, row_groups
 
 __all__ = ["ExecuteStats", "execute"]
 
@@ -81,43 +82,79 @@ class _ReadAhead(threading.Thread):
         if position in self.events:
             self.device.publish(engine, copied)
 
+    def _read_group(self, group: Sequence[int]) -> bool:
+        """Read the reads at indices ``group`` (``row_groups``: one, or boxes of one slab's
+        rows read together) and tell each one's waiters; False after a failure (recorded)."""
+        tensors = self.reader.metadata.tensors
+        items = [self.reads[i] for i in group]
+        positions = [self.positions[i] for i in group]
+        chunk = tensors[items[0].name].chunks[items[0].chunk]
+        item = items[0]
+        try:
+            dests = [self._dest(p, i) for p, i in zip(positions, items, strict=True)]
+            if len(items) > 1 and self._together(items, chunk, dests, tensors):
+                for item, position in zip(items, positions, strict=True):
+                    self._finished(item, position)
+                return True
+            for item, dest, position in zip(items, dests, positions, strict=True):
+                self._read_one(item, chunk, dest, position, tensors)
+                self._finished(item, position)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            self.errors.append(f"reading {item.name!r} box offsets={item.offsets} sizes={item.sizes} from "
+                               f"{chunk.file!r} failed: {type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _dest(self, position: int, item: ReadItem) -> Any:
+        """Where the piece at ``position`` lands: its staging tensor, else its target view."""
+        dest = self.staged.get(position)
+        return self.targets[item.name].view(item.offsets, item.sizes) if dest is None else dest
+
+    def _read_one(self, item: ReadItem, chunk: Any, dest: Any, position: int, tensors: Mapping[str, Any]) -> None:
+        target = self.targets[item.name]
+        saved = _saved_dtype(self.reader, item.name, chunk, tensors)
+        engine = None if self.device is None else self.device.engine_for(dest)
+        if engine is None or target.adapter.name != "torch":
+            _read_piece(self.reader, item, chunk, target, dest, saved, self.pool, self.cost)
+        else:
+            self._on_device(engine, item, chunk, dest, saved, position)
+
+    def _together(self, items: Sequence[ReadItem], chunk: Any, dests: Sequence[Any],
+                  tensors: Mapping[str, Any]) -> bool:
+        """Read boxes of one slab's rows as one covering range (``_together``) when every
+        destination is a host torch tensor; False, with nothing read, otherwise."""
+        import torch
+
+        if any(self.targets[i.name].adapter.name != "torch" for i in items) or (
+                self.device is not None and any(self.device.engine_for(d) is not None for d in dests)):
+            return False
+        saved = _saved_dtype(self.reader, items[0].name, chunk, tensors)
+        return read_together(self.reader, items, chunk, dests, getattr(torch, saved).itemsize, self.pool,
+                             not items[0].cached)
+
+    def _finished(self, item: ReadItem, position: int) -> None:
+        """A piece is in place: count it, tell the progress and the broadcast waiting for it."""
+        if self.on_read is not None:
+            self.on_read(item.nbytes)
+        self.done += 1
+        event = self.events.get(position)
+        if event is not None:
+            event.set()
+
     def run(self) -> None:
         start = time.perf_counter()
-        tensors = self.reader.metadata.tensors
         try:
-            for position, item in zip(self.positions, self.reads, strict=True):
-                if self.stop.is_set():
+            for group in row_groups(self.reads):
+                if self.stop.is_set() or not self._read_group(group):
                     break
-                target = self.targets[item.name]
-                chunk = tensors[item.name].chunks[item.chunk]
-                try:
-                    dest = self.staged.get(position)
-                    if dest is None:
-                        dest = target.view(item.offsets, item.sizes)
-                    saved = _saved_dtype(self.reader, item.name, chunk, tensors)
-                    engine = None if self.device is None else self.device.engine_for(dest)
-                    if engine is None or target.adapter.name != "torch":
-                        _read_piece(self.reader, item, chunk, target, dest, saved, self.pool, self.cost)
-                    else:
-                        self._on_device(engine, item, chunk, dest, saved, position)
-                    if self.on_read is not None:
-                        self.on_read(item.nbytes)
-                except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
-                    self.errors.append(f"reading {item.name!r} box offsets={item.offsets} "
-                                       f"sizes={item.sizes} from {chunk.file!r} failed: "
-                                       f"{type(exc).__name__}: {exc}")
-                    break
-                self.done += 1
-                event = self.events.get(position)
-                if event is not None:
-                    event.set()
         finally:
             # Release every waiter: after a failure the broadcasts still run (with whatever
             # the destination holds) so that no other rank hangs in a collective. A thread
             # that finished its own reads leaves the other threads' events alone.
             failed = bool(self.errors) or self.stop.is_set()
+            mine = self.positions if isinstance(self.positions, range) else set(self.positions)
             for position, event in self.events.items():
-                if failed or position in self.positions:
+                if failed or position in mine:
                     event.set()
             if self.own_pool:
                 self.pool.close()
@@ -139,16 +176,20 @@ def remote_readers(reader: Any, reads: Sequence[ReadItem]) -> int:
 
 class _ReadAheads:
     """``_ReadAhead`` on ``n`` threads, the plan's pieces dealt round robin (so that they
-    finish about in the plan's order, which the broadcasts follow), each with its own
-    sibling reader; one thread and the caller's reader when ``n`` is 1."""
+    finish about in the plan's order, which the broadcasts follow; the boxes of one slab
+    that are read together, ``_together.row_groups``, as one), each with its own sibling
+    reader; one thread and the caller's reader when ``n`` is 1."""
 
     def __init__(self, reader: Any, reads: Sequence[ReadItem], targets: Mapping[str, Target],
                  events: Mapping[int, threading.Event], staged: Mapping[int, Any],
                  on_read: Callable[[int], None] | None, n: int, pool: StagingPool | None = None,
                  device: DeviceLoad | None = None):
         self.readers = [reader] + [reader.sibling() for _ in range(n - 1)]
-        self.threads = [_ReadAhead(r, reads[k::n], targets, events, staged, on_read, range(k, len(reads), n), pool,
-                                   device) for k, r in enumerate(self.readers)]
+        dealt: list[list[int]] = [[] for _ in range(n)]
+        for k, group in enumerate(row_groups(reads)):  # a slab's boxes read together stay together
+            dealt[k % n].extend(group)
+        self.threads = [_ReadAhead(r, [reads[i] for i in mine], targets, events, staged, on_read, mine, pool, device)
+                        for r, mine in zip(self.readers, dealt, strict=True)]
 
     def start(self, inline: bool = False) -> None:
         """Start the threads; ``inline``: one reader and nothing to feed, so its reads run
@@ -256,7 +297,8 @@ class _Schedule:
     event of each read position that feeds one (this rank's sources, in order), and the
     staging tensors of destinations that cannot take a broadcast in place (a sub-box of a
     MindSpore tensor, which has no aliasing views), copied into place once every broadcast
-    has completed."""
+    has completed. A box this rank relays (``ReadItem.relay``) is read into a staging
+    tensor of its own and only sent."""
 
     items: list[Any] = field(default_factory=list)
     events: dict[int, threading.Event] = field(default_factory=dict)  # read position -> event
@@ -271,7 +313,9 @@ class _Schedule:
         out = cls()
         for index, item in enumerate(plan.broadcasts):
             tensor = None
-            if rank in item.ranks:
+            if item.relay and item.reader == rank:  # read only to be sent: into staging, never copied
+                tensor = platform.empty(item.sizes, platform.dtype_from_name(targets[item.name].dtype))
+            elif rank in item.ranks:
                 target = targets[item.name]
                 if target.in_place(item.offsets, item.sizes):
                     tensor = target.view(item.offsets, item.sizes)
@@ -281,7 +325,7 @@ class _Schedule:
             if item.reader == rank:
                 position = len(out.events)
                 out.events[position] = out.by_item[index] = threading.Event()
-                if out.staged and out.staged[-1][1] is item:
+                if item.relay or (out.staged and out.staged[-1][1] is item):
                     out.staged_at[position] = tensor
             out.items.append(BroadcastItem(src=item.reader, ranks=item.ranks, nbytes=item.nbytes, tensor=tensor))
         return out

@@ -29,8 +29,8 @@ from typing import Any
 
 from ..plan._read_cost import BoxGeometry, ReadChoice, cover_pieces
 
-__all__ = ["STAGE_BYTES", "StagingPool", "can_cover", "covering_geometry", "read_covering", "read_staged", "saved_box",
-           "stage_pieces"]
+__all__ = ["STAGE_BYTES", "StagingPool", "can_cover", "covering_geometry", "narrowed", "read_covering", "read_staged",
+           "saved_box", "stage_pieces"]
 
 #: Largest piece staged at once: the extra memory of a read per reading thread.
 STAGE_BYTES = 16 * 1024 * 1024
@@ -154,7 +154,7 @@ def read_staged(reader: Any, item: Any, chunk: Any, dest: Any, saved_dtype: str,
     # pieces sized by the wider of the two dtypes: the buffer holds them in the saved one
     nbytes = math.prod(item.sizes) * max(saved.itemsize, dest.element_size())
     for offsets, sizes in stage_pieces(item.offsets, item.sizes, nbytes, pool.buffer_bytes):
-        part = _narrowed(dest, item.offsets, offsets, sizes)
+        part = narrowed(dest, item.offsets, offsets, sizes)
         if same_dtype and part.is_contiguous():
             reader.read_into(item.name, chunk, offsets, sizes, part, verify=verify)
             continue
@@ -165,7 +165,7 @@ def read_staged(reader: Any, item: Any, chunk: Any, dest: Any, saved_dtype: str,
                 part.copy_(staged)
 
 
-def _narrowed(dest: Any, origin: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+def narrowed(dest: Any, origin: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
     """The part of ``dest`` (the box at ``origin``) holding the sub-box ``offsets``/``sizes``."""
     part = dest
     for d, (o, s, o0) in enumerate(zip(offsets, sizes, origin, strict=True)):
@@ -223,5 +223,5 @@ def read_covering(reader: Any, name: str, chunk: Any, offsets: tuple[int, ...], 
         with pool.take(need) as raw:
             box = reader.read_covering(name, chunk, at, sub_sizes, raw, verify=verify)
             with torch.no_grad():
-                _narrowed(dest, offsets, at, sub_sizes).copy_(box)
+                narrowed(dest, offsets, at, sub_sizes).copy_(box)
     return True

@@ -279,8 +279,10 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
     # would walk different broadcast schedules and hang, so they fail together instead.
     # Supplied groups change how groups are made (gathered, not by their members alone).
     # So does the planner (by class): ranks with different planners make different plans.
+    # So does where the checkpoint lies: on an object store the plan relays columns.
+    relay = reader is not None and not local_storage(getattr(reader, "path", None))
     settings = (mode if broadcast else False, batch_bytes, groups is not None,
-                None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}")
+                None if planner is None else f"{type(planner).__module__}.{type(planner).__qualname__}", relay)
     # Derived planning (``_derived_plan``): when every rank's wants follow from meshes and
     # plain tensors, ranks exchange a fixed-size digest instead of their wants.
     meta_hash = checkpoint_digest(reader) if reader is not None else None  # hashes every chunk: once
@@ -299,7 +301,7 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
     derived = derived_plan(platform, reader.metadata.tensors if reader is not None else {}, prep.wants,
                            prep.by_value, failed=bool(errors), settings=settings, broadcast=broadcast,
                            same_host_reads=mode == AUTO, custom_planner=planner is not None, watch=coord.waiter,
-                           meta_hash=meta_hash, checkpoint=path, check=check_first) if collective else None
+                           meta_hash=meta_hash, checkpoint=path, check=check_first, relay=relay) if collective else None
     if derived is not None:
         phases.end("prepare")
         phases.end("plan")
@@ -308,7 +310,7 @@ def make_plan(coord: Coordinator, platform: Any, collective: bool, prep: Prepare
     gathered, hosts = gather_wants(coord, errors, collective, prep.wants, settings, broadcast, (meta_hash, path))
     phases.end("prepare")
     plan = build_global_plan(reader.metadata.tensors, gathered, broadcast=broadcast, planner=planner,
-                             hosts=hosts, same_host_reads=mode == AUTO)
+                             hosts=hosts, same_host_reads=mode == AUTO, relay=relay)
     phases.end("plan")
     return plan, False, None
 
