@@ -4,6 +4,7 @@ FsspecReader over s3fs and Run:ai Model Streamer, all in one run, through one pr
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/bench_s3.py
     python benchmarks/bench_s3.py --gib 0.25 --skip-peers      # a smoke run (dcp only)
     python benchmarks/bench_s3.py --concurrency 4,8,16,32      # dcp's GETs in flight, swept
+    python benchmarks/bench_s3.py --gib 0.25 --runs dcp:tp,torchdcp:tp   # column shards
 
 The S3 server is moto (``python -m moto.server``, its own process) on loopback; the
 proxy (tests-integration/s3_server.py, in this process) adds a per-request latency drawn
@@ -13,8 +14,9 @@ ranged GET, so its rate falls with the object size: measured 70 MiB/s at 64 MiB 
 25 MiB/s at 256 MiB); torch DCP's copy is its own format of the same tensors (FsspecReader
 cannot read safetensors), saved as files of the same size.
 
-Layouts: DP4 (every rank wants every tensor whole) and DP2 x TP2 (DTensors [Replicate,
-Shard(0)]). Run:ai reads every file on every rank whatever the layout (it has no sharding
+Layouts: DP4 (every rank wants every tensor whole), DP2 x TP2 (DTensors [Replicate,
+Shard(0)]) and "tp": DP2 x TP2 as Megatron shards a Llama layer (o and down row-parallel:
+[Replicate, Shard(1)], one short run per row in the file; the others Shard(0)). Run:ai reads every file on every rank whatever the layout (it has no sharding
 outside its per-node CUDA mode), so it runs once. Reported per run: wall time (slowest
 rank), GETs, bytes fetched / unique bytes, the most requests in flight, and two floors:
 the network floor, bytes / (connections x per-connection bandwidth) + mean latency, and
@@ -82,8 +84,17 @@ def _state(layout: str, spec: list[tuple[str, tuple[int, ...]]]) -> dict[str, An
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {n: distribute_tensor(torch.empty(s, dtype=torch.bfloat16), mesh, [Replicate(), Shard(0)],
+    return {n: distribute_tensor(torch.empty(s, dtype=torch.bfloat16), mesh, [Replicate(), _tp_shard(layout, n, s)],
                                  src_data_rank=None) for n, s in spec}
+
+
+def _tp_shard(layout: str, name: str, shape: tuple[int, ...]) -> Any:
+    """The TP placement of ``name``: ``Shard(0)`` in "dp2tp2"; in "tp" Megatron's, where the
+    row-parallel o and down are ``Shard(1)`` (column shards: one short run per row)."""
+    from torch.distributed.tensor import Shard
+
+    row_parallel = layout == "tp" and name.rsplit(".", 1)[-1] in ("o", "down") and len(shape) > 1
+    return Shard(1 if row_parallel else 0)
 
 
 def _check(state: dict[str, Any], spec: list[tuple[str, tuple[int, ...]]], rank: int) -> None:
@@ -192,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         faults = s3_server.Faults(latency_s=(lo, hi), bandwidth=bandwidth)
         with s3_server.FaultProxy(endpoint, faults) as proxy:
             env = _env(proxy, args.runai_concurrency)
-            runs = [("dcp", "dp4"), ("dcp", "dp2tp2")]
+            runs = [("dcp", "dp4"), ("dcp", "dp2tp2"), ("dcp", "tp")]
             if not args.skip_peers:
-                runs += [("torchdcp", "dp4"), ("torchdcp", "dp2tp2"), ("runai", "any")]
+                runs += [("torchdcp", "dp4"), ("torchdcp", "dp2tp2"), ("torchdcp", "tp"), ("runai", "any")]
             if args.runs:
                 runs = [tuple(r.split(":")) for r in names(args.runs)]
             for tool, layout in runs:
@@ -235,7 +246,7 @@ def _env(proxy: s3_server.FaultProxy, runai_concurrency: int) -> dict[str, str]:
 def _ratios(rows: list[dict[str, Any]]) -> None:
     by = {(r["tool"], r["layout"]): r["seconds"] for r in rows if "concurrency" not in r and "seconds" in r}
     runai = by.get(("runai", "any"))
-    for layout in ("dp4", "dp2tp2"):
+    for layout in ("dp4", "dp2tp2", "tp"):
         mine = by.get(("dcp", layout))
         if mine is None:
             continue
