@@ -130,7 +130,7 @@ class _ReadAhead(threading.Thread):
             return False
         saved = _saved_dtype(self.reader, items[0].name, chunk, tensors)
         return read_together(self.reader, items, chunk, dests, getattr(torch, saved).itemsize, self.pool,
-                             not items[0].cached)
+                             not items[0].cached, self.cost.max_overread)
 
     def _finished(self, item: ReadItem, position: int) -> None:
         """A piece is in place: count it, tell the progress and the broadcast waiting for it."""

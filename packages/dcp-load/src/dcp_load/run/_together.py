@@ -30,10 +30,10 @@ def _key(item: ReadItem) -> tuple[Any, ...]:
 def row_groups(reads: Sequence[ReadItem]) -> list[list[int]]:
     """Indices of ``reads`` cut into runs of consecutive items to read together: the same
     tensor, chunk, rows, dtype and caching, whose boxes tile their bounding box. Every
-    other item is a run of its own."""
+    other item (an empty or 0-dim box among them) is a run of its own."""
     out: list[list[int]] = []
     for i, item in enumerate(reads):
-        if out and item.sizes and _key(reads[out[-1][0]]) == _key(item) and \
+        if out and item.sizes and all(item.sizes) and _key(reads[out[-1][0]]) == _key(item) and \
                 bounding_box([reads[j] for j in (*out[-1], i)]) is not None:
             out[-1].append(i)
         else:
@@ -57,11 +57,12 @@ def bounding_box(items: Sequence[ReadItem]) -> tuple[tuple[int, ...], tuple[int,
 
 
 def read_together(reader: Any, items: Sequence[ReadItem], chunk: Any, dests: Sequence[Any], itemsize: int,
-                  pool: StagingPool, verify: bool) -> bool:
+                  pool: StagingPool, verify: bool, max_overread: float) -> bool:
     """Read the boxes of ``items`` (``row_groups``) into the torch tensors ``dests`` through
     one covering read of their bounding box, cut into pieces that fit a buffer of ``pool``.
     False, with nothing read, when the reader cannot cover (a torch-dcp blob loaded whole,
-    a reader wrapping another)."""
+    a reader wrapping another), or when the range covering the bounding box fetches more
+    than ``max_overread`` x its bytes (the boxes do not span whole rows of the chunk)."""
     import torch
 
     box = bounding_box(items)
@@ -69,6 +70,8 @@ def read_together(reader: Any, items: Sequence[ReadItem], chunk: Any, dests: Seq
         return False
     offsets, sizes = box
     g = covering_geometry(chunk, offsets, sizes, itemsize)
+    if g.span(0) > max_overread * g.nbytes:
+        return False
     for n, (sub, sub_sizes) in enumerate(cover_pieces(g, 0, pool.buffer_bytes)):
         at = tuple(o + c for o, c in zip(sub, chunk.offsets, strict=True))
         need = reader.covering_bytes(items[0].name, chunk, at, sub_sizes, verify=verify)
