@@ -81,7 +81,7 @@ def _state(layout: str, spec: list[tuple[str, tuple[int, ...]]]) -> dict[str, An
     if layout == "dp4":
         return {n: torch.empty(s, dtype=torch.bfloat16) for n, s in spec}
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return {n: distribute_tensor(torch.empty(s, dtype=torch.bfloat16), mesh, [Replicate(), _tp_shard(layout, n, s)],
