@@ -270,3 +270,17 @@ def test_parse_mesh_takes_each_dimension_once(dims, data) -> None:
             _simulate.parse_mesh(text)
     else:
         assert _simulate.parse_mesh(text) == {"tp": 1, "pp": 1, "dp": 1, **dict(zip(dims, sizes, strict=True))}
+
+
+def test_simulated_object_store_plan_relays_column_shards() -> None:
+    # On object storage (relay) every byte is still read once, and a TP layout's
+    # row-parallel slabs are read whole by one rank each: the ranks read alike.
+    from dcp_load.plan._simulate import Layout, model_metadata, simulate
+
+    tensors = model_metadata("llama-8b")
+    out = {relay: simulate(tensors, Layout(2, 1, 2, same_host_reads=False, relay=relay), repeats=1)
+           for relay in (False, True)}
+    for result in out.values():
+        assert result["amplification"] == 1.0 and result["read_bytes_total"] == result["unique_bytes"]
+    assert out[True]["read_bytes_per_rank_max"] == out[True]["read_bytes_per_rank_mean"]
+    assert out[True]["read_bytes_per_rank_max"] < out[False]["read_bytes_per_rank_max"]

@@ -174,9 +174,10 @@ def run(args: argparse.Namespace, out: Any = None, status: Any = None) -> int:
             raise ValueError(f"--batch-bytes must be >= 0 (0 packs nothing), got {batch}")
         tensors = _tensors(args)
         setting = MODES[args.broadcast]
-        broadcast, same_host_reads = load_mode(setting, object_store=_object_store(args))
+        object_store = _object_store(args)
+        broadcast, same_host_reads = load_mode(setting, object_store=object_store)
         layout = Layout(mesh["tp"], mesh["pp"], mesh["dp"], fsdp=args.fsdp, ranks_per_host=args.ranks_per_host,
-                        broadcast=broadcast, same_host_reads=same_host_reads)
+                        broadcast=broadcast, same_host_reads=same_host_reads, relay=object_store)
         result = simulate(tensors, layout, repeats=args.repeats, progress=status, batch_bytes=batch)
         title = f"{args.model or args.checkpoint}: tp={layout.tp} pp={layout.pp} dp={layout.dp}"
         if args.png:

@@ -130,6 +130,8 @@ class Layout:
     #: how ``load`` would plan the reads (``load_mode``): the default is "auto" on files
     broadcast: bool = True
     same_host_reads: bool = True
+    #: the checkpoint is in an object store: row slabs of column shards relayed (``_owners``)
+    relay: bool = False
 
     @property
     def world(self) -> int:
@@ -222,7 +224,7 @@ def _plan_role(tensors: Mapping[str, Any], layout: Layout, rank: int, entries: S
 
     holder_lane(entries, rank)
     plan_for_rank(tensors, entries, rank, layout.world, broadcast=layout.broadcast, hosts=hosts,
-                  same_host_reads=layout.same_host_reads)
+                  same_host_reads=layout.same_host_reads, relay=layout.relay)
 
 
 def _time_roles(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequence[Derived]], repeats: int,
@@ -315,7 +317,7 @@ def _job(tensors: Mapping[str, Any], layout: Layout, per_stage: Sequence[Sequenc
         # Hosts are passed in every mode: without broadcasts they only count a box once per
         # host that fetches it (its ranks share a page cache), as amplification does.
         builder = PlanBuilder(world, broadcast=layout.broadcast, hosts=hosts, same_host_reads=layout.same_host_reads,
-                              split_bytes=SPLIT_BYTES, custom=False)
+                              split_bytes=SPLIT_BYTES, custom=False, relay=layout.relay)
         for e in entries:
             builder.add_tensor(e.name, tensors[e.name], held_by(e))
         plan = builder.finish(tensors)
