@@ -397,3 +397,19 @@ def test_relay_needs_one_dtype_and_leaves_contiguous_boxes_alone() -> None:
     halves = [[("w", (0, 4 * (r % 2)), (64, 4), BOTH)] for r in range(4)]
     own = build_global_plan(tensors, halves, split_bytes=256, relay=True, broadcast=False)
     assert own.broadcasts == () and all(len(i.ranks) == 2 for i in own.local)  # no broadcasts: none relayed
+
+
+def test_relaying_keeps_the_groups_few() -> None:
+    # One relaying rank per host and holder set: a TP8 x DP2 Llama-8B on 8-rank hosts joins
+    # at most 9 groups per rank (with the nearest holder of each slab relaying, TP8 x DP8 made 65).
+    from collections import Counter
+
+    from dcp_load.plan._simulate import Layout, gathered_wants, model_metadata
+
+    tensors = model_metadata("llama-8b")
+    wants, hosts = gathered_wants(tensors, Layout(8, 1, 2, ranks_per_host=8))
+    plan = build_global_plan(tensors, wants, hosts=hosts, same_host_reads=False, relay=True)
+    assert any(i.relay for i in plan.broadcasts)
+    per_rank = Counter(r for s in {i.ranks for i in plan.broadcasts if len(i.ranks) > 1} for r in s)
+    assert max(per_rank.values()) <= 9, per_rank
+    assert plan.fetched_bytes == plan.unique_bytes

@@ -77,6 +77,16 @@ BOXES_PER_SLAB = 8
 #: 1.125 / 1.128 / 1.351).
 STRIPES_PER_UNIT = 4
 
+#: Ranks of one host that read and relay the column-sharded slabs of a holder set on object
+#: storage (``_relayed``): each relayed box's group is its holders and its relaying rank,
+#: so the groups a load creates grow with this number, and the slabs' reads and sends
+#: spread over it. Llama-8B on 8-rank hosts, most groups per rank (plan only): TP8 x DP8 10
+#: with 1, 18 with 2, 65 with every holder relaying. 4 ranks on one host loading 294 MiB
+#: from moto (benchmarks/bench_s3.py --gib 0.25 --runs dcp:tp, alternating): 5.36 / 4.08 s
+#: with 1, 6.08 / 4.27 s with 2: no difference above the noise (one rank's 8 readers keep
+#: 40 GETs in flight), so the fewest groups.
+RELAYS_PER_HOST = 1
+
 
 @functools.lru_cache(maxsize=64)
 def dtype_itemsize(dtype: str) -> int:
@@ -358,11 +368,18 @@ class PlanBuilder:
 
     def _relayed(self, name: str, index: int, boxes: Sequence[tuple[Any, ...]], a: int, b: int,
                  anchor: int) -> list[tuple[int, int]]:
-        """Rows [a, b) of a column-sharded chunk on object storage: the holder of any of the
-        slab's boxes nearest to ``anchor`` reads every box (its reads of one slab are one
-        range of whole rows, a few GETs with no byte fetched twice) and broadcasts each to
-        its holders; a box it does not hold it relays (``ReadItem.relay``)."""
-        src = self._nearest(self._union_of([bx[3] for bx in boxes]), anchor)
+        """Rows [a, b) of a column-sharded chunk on object storage: one holder of the slab's
+        boxes on ``anchor``'s host, the lowest, reads every box (its reads of one slab are
+        one range of whole rows, a few GETs with no byte fetched twice) and broadcasts each
+        to its holders; a box it does not hold it relays (``ReadItem.relay``). One relaying
+        rank per host (``RELAYS_PER_HOST``) keeps the groups few: each relayed box's group
+        is its holders and that rank."""
+        union = self._union_of([bx[3] for bx in boxes])
+        near = self.on_host(union).get(self.host[anchor])
+        if near:  # anchor is one of them: the anchors rotate, so do the relaying ranks
+            src = near[bisect.bisect_left(near, anchor) % min(len(near), RELAYS_PER_HOST)]
+        else:
+            src = self._nearest(union, anchor)
         charged = []
         rows = b - a
         for tail_o, tail_s, dtype, ranks, _, row_stored, row_nbytes, mine, _ in boxes:

@@ -12,13 +12,14 @@ at most one buffer (``plan._read_cost.cover_pieces``), so the memory stays bound
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from ..plan._items import ReadItem
 from ..plan._read_cost import cover_pieces
-from ._stage import StagingPool, can_cover, covering_geometry, narrowed
+from ._stage import StagingPool, can_cover, covering_geometry, narrowed, saved_box
 
 __all__ = ["bounding_box", "read_together", "row_groups"]
 
@@ -60,11 +61,17 @@ def read_together(reader: Any, items: Sequence[ReadItem], chunk: Any, dests: Seq
                   pool: StagingPool, verify: bool, max_overread: float) -> bool:
     """Read the boxes of ``items`` (``row_groups``) into the torch tensors ``dests`` through
     one covering read of their bounding box, cut into pieces that fit a buffer of ``pool``.
-    False, with nothing read, when the reader cannot cover (a torch-dcp blob loaded whole,
-    a reader wrapping another), or when the range covering the bounding box fetches more
-    than ``max_overread`` x its bytes (the boxes do not span whole rows of the chunk)."""
+    Boxes read through ``sources=`` are read from the saved tensor behind them
+    (``_stage.saved_box``). False, with nothing read, when the reader cannot cover (a
+    torch-dcp blob loaded whole), when the boxes lie in different saved chunks, or when the
+    range covering the bounding box fetches more than ``max_overread`` x its bytes (the
+    boxes do not span whole rows of the chunk)."""
     import torch
 
+    saved = _saved(reader, items, chunk, dests)
+    if saved is None:
+        return False
+    reader, items, chunk, dests = saved
     box = bounding_box(items)
     if box is None or not can_cover(reader):
         return False
@@ -86,6 +93,17 @@ def read_together(reader: Any, items: Sequence[ReadItem], chunk: Any, dests: Seq
                     if common is not None:
                         narrowed(dest, item.offsets, *common).copy_(narrowed(piece, at, *common))
     return True
+
+
+def _saved(reader: Any, items: Sequence[ReadItem], chunk: Any, dests: Sequence[Any]) -> Any:
+    """(reader, items, chunk, dests) of the saved bytes behind ``items`` (a renamed or
+    composed tensor's: ``saved_box``), or None when they lie in different saved chunks."""
+    real = [saved_box(reader, i.name, chunk, i.offsets, i.sizes, d) for i, d in zip(items, dests, strict=True)]
+    inner, name, saved = real[0][:3]
+    if any(r[0] is not inner or r[1] != name or r[2] is not saved for r in real):
+        return None
+    return (inner, [dataclasses.replace(i, name=name, offsets=r[3], sizes=r[4]) for i, r in zip(items, real, strict=True)],
+            saved, [r[5] for r in real])
 
 
 def _overlap(a_off: Sequence[int], a_sizes: Sequence[int], b_off: Sequence[int], b_sizes: Sequence[int]
