@@ -3,11 +3,12 @@
 from ._base import Capabilities, Handle, Platform
 from ._select import ENV_VAR, PLATFORM_NAMES, get_platform, platform_name
 from ._version import __version__
-from ._watch import HEARTBEAT_S, STALE_S, PeerFailure, Watch
+from ._watch import HEARTBEAT_S, HEARTBEAT_THREAD, STALE_S, PeerFailure, Watch
 
 __all__ = [
     "ENV_VAR",
     "HEARTBEAT_S",
+    "HEARTBEAT_THREAD",
     "PLATFORM_NAMES",
     "STALE_S",
     "Capabilities",

@@ -1,9 +1,10 @@
 """Bounded, abort-aware waits for one collective operation (a load, a broadcast run).
 
 Call order: every rank creates ``Watch(platform, name)`` with the same ``name`` (unique per
-operation, e.g. ``"dcp-load/7"``), enters it (which starts a heartbeat thread), calls
-``arrive(timeout)`` once, then uses ``wait`` / ``wait_event`` / ``gather`` for every wait
-of the operation, and leaves it (which joins the thread) on success and on failure alike.
+operation, e.g. ``"dcp-load/7"``), enters it (which hands it to the process's heartbeat
+thread), calls ``arrive(timeout)`` once, then uses ``wait`` / ``wait_event`` / ``gather``
+for every wait of the operation, and leaves it (which returns once no heartbeat of it runs
+or will run) on success and on failure alike.
 
 How ranks learn of a failure, through the platform's key-value store (``Platform.store``):
 
@@ -14,14 +15,24 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
   causes); every waiting rank sees it within ``HEARTBEAT_S`` and raises ``PeerFailure``.
 * **Barriers** ``<name>/b/<key>``: ``barrier(key, ranks)`` meets some ranks only (a new
   group's members before they connect), bounded like every other wait.
-* **Heartbeats** ``<name>/hb/<rank>``: each rank's thread bumps its own key and watches
-  its ring successor's. A successor whose key has not changed for ``STALE_S`` is named
-  dead in the abort key (with at least one live rank, some live rank watches a dead one).
+* **Heartbeats** ``<name>/hb/<rank>``: every ``heartbeat_s`` while the watch is open, each
+  rank bumps its own key, reads the abort key, and (once arrived) watches its ring
+  successor's key. A successor whose key has not changed for ``STALE_S`` is named dead in
+  the abort key (with at least one live rank, some live rank watches a dead one).
+
+One thread per process, ``dcp-heartbeat`` (``HEARTBEAT_THREAD``), beats every open watch
+on its own schedule; it is started by the first watch entered and then stays, idle (blocked,
+no wake-ups) while no watch is open. With a thread started and joined per watch, entering
+and closing a load's watch took 0.31-0.61 ms per rank, 0.14-0.21 ms with the one thread
+(each benchmarks/bench_tp.py case on 2 gloo ranks, medians of 30 loads, measured
+alternately); entering alone took up to 2.4 ms on a busy 2-core machine, where ``start``
+waits for a core to run the new thread.
 
 Store traffic per rank: three operations per ``HEARTBEAT_S`` (2 s), so a 16k-rank job
 puts ~24k operations per second on the store, independent of how many collectives run;
-while arriving (or at a barrier), one non-blocking ``check`` per poll, the polls spaced
-10 ms apart and doubling to 1 s (7 in the first second, then one per second); after an
+while arriving (or at a barrier), one non-blocking ``check`` per poll, the first poll after
+``first_pause`` (31.25 us per rank, at most 10 ms), each pause twice the last up to 1 s
+(about 15 in the first second for 2 ranks, then one per second); after an
 arrival timeout one rank checks every rank's key once (the others wait for its verdict).
 Waits poll with ``check`` rather than ``store.wait(timeout)``: each expired TCPStore wait
 logged two ``[c10d] waitForInput`` warnings, about 1,200 lines per rank over a 10-minute
@@ -39,6 +50,7 @@ Without a store (MindSpore) nothing is bounded: waits block as the backend does.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
@@ -47,12 +59,14 @@ from typing import Any
 
 from ._base import Handle, Platform
 
-__all__ = ["HEARTBEAT_S", "STALE_S", "PeerFailure", "Watch"]
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_THREAD", "STALE_S", "PeerFailure", "Watch"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between a rank's heartbeats and abort-key checks.
 HEARTBEAT_S = 2.0
+#: The name of the process's one heartbeat thread (module docstring).
+HEARTBEAT_THREAD = "dcp-heartbeat"
 #: A heartbeat unchanged this long names its rank dead. Generous against a process that
 #: holds the GIL for seconds, yet with HEARTBEAT_S it names a dead rank in <= 12 s.
 STALE_S = 10.0
@@ -62,16 +76,19 @@ SLICE_S = 0.5
 #: as long each time, up to POLL_MAX_S. POLL_MIN_S is the longest first pause.
 POLL_MIN_S = 0.01
 POLL_MAX_S = 1.0
-#: The first pause per 16 ranks. A fixed 10 ms made every load's arrival cost a 10 ms sleep
-#: on the rank that came first (2 gloo ranks, a 1 MiB load: 26 ms, of which 10.8 ms in the
-#: arrival; benchmarks/bench_tp.py), while 16 ranks polling every 0.5 ms send a store about
-#: 32k checks a second for the first milliseconds only, and larger worlds start slower.
-POLL_FIRST_PER_16_S = 0.0005
+#: The first pause per rank: ``world`` ranks polling every ``world`` x 31.25 us send a store
+#: at most 32k checks a second, for the first milliseconds only, and larger worlds start
+#: slower. A fixed 10 ms made every load's arrival cost a 10 ms sleep on the rank that came
+#: first (2 gloo ranks, a 1 MiB load: 26 ms, of which 10.8 ms in the arrival); with 0.5 ms
+#: per 16 ranks the first of 2 ranks still left the arrival 0.41-0.61 ms after the last one,
+#: 0.13-0.19 ms with this pause (each benchmarks/bench_tp.py case on 2 gloo ranks, medians
+#: of 30 loads, the two pauses measured alternately).
+POLL_FIRST_PER_RANK_S = 0.0005 / 16
 
 
 def first_pause(world: int) -> float:
     """The first store poll's pause for a wait that ``world`` ranks may share."""
-    return min(POLL_MIN_S, POLL_FIRST_PER_16_S * max(1, -(-world // 16)))
+    return min(POLL_MIN_S, POLL_FIRST_PER_RANK_S * max(1, world))
 
 
 class PeerFailure(RuntimeError):
@@ -100,10 +117,9 @@ class Watch:
         self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self._cause: dict[int, tuple[str, ...]] | None = None
         self._aborted = threading.Event()
-        self._stop = threading.Event()
         self._arrived = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._beats = 0
+        self._open = False  # entered, with a store: the heartbeat thread beats it
+        self._successor = (-1, 0.0)  # its heartbeat's last value, and when that value changed
         self._cleanup: list[str] = []  # barrier keys this rank removes on success
 
     @property
@@ -118,24 +134,24 @@ class Watch:
     def __enter__(self) -> Watch:
         if self._store is not None:
             self._store.add(self._key("hb", self.rank), 1)
-            self._thread = threading.Thread(target=self._run, name=f"dcp-watch-{self.name}", daemon=True)
-            self._thread.start()
+            self._successor = (-1, time.monotonic())
+            _HEARTBEATS.add(self)
+            self._open = True
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(success=exc_type is None)
 
     def close(self, *, success: bool = True) -> None:
-        """Stop and join the heartbeat thread; drop this rank's heartbeat key.
+        """Stop the heartbeats (once no beat of this watch runs); drop this rank's heartbeat key.
 
         ``success``: every rank has passed the operation's last collective, so rank 0 also
         removes the arrival keys (after a failure they stay, for late ranks to find).
         """
-        if self._thread is None:
+        if not self._open:
             return
-        self._stop.set()
-        self._thread.join()
-        self._thread = None
+        _HEARTBEATS.remove(self)
+        self._open = False
         try:
             self._store.delete_key(self._key("hb", self.rank))
             if success:
@@ -174,34 +190,31 @@ class Watch:
             self._cause = cause
         self._aborted.set()
 
-    # -- the heartbeat thread -------------------------------------------------------------
-    def _run(self) -> None:
-        successor = (self.rank + 1) % self.world
-        last = -1
-        changed = time.monotonic()
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                # Counters through add(): reading a key with add(key, 0) never blocks,
-                # where get() on a key its owner just removed would wait for the store
-                # timeout. 0 means the successor closed its watch (removed its key).
-                self._store.add(self._key("hb", self.rank), 1)
-                cause = self._read_abort()
-                if cause is not None:
-                    self._set_cause(cause)
-                    continue
-                if not self._arrived.is_set() or successor == self.rank or last == 0:
-                    continue
-                value = self._store.add(self._key("hb", successor), 0)
-                now = time.monotonic()
-                if value != last:
-                    last, changed = value, now
-                elif now - changed >= self.stale_s:
-                    dead = {successor: (f"stopped responding: its heartbeat did not change for "
-                                        f"{now - changed:.0f} s (the process died, was killed or hangs)",)}
-                    self.abort(dead)
-                    self._set_cause(self._read_abort() or dead)
-            except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the watch
-                logger.debug("rank %d: watch %s: store error %r", self.rank, self.name, exc)
+    # -- one heartbeat (run by the heartbeat thread) ---------------------------------------
+    def _beat(self) -> None:
+        try:
+            # Counters through add(): reading a key with add(key, 0) never blocks, where
+            # get() on a key its owner just removed would wait for the store timeout. 0
+            # means the successor closed its watch (removed its key).
+            self._store.add(self._key("hb", self.rank), 1)
+            cause = self._read_abort()
+            if cause is not None:
+                self._set_cause(cause)
+                return
+            successor, (last, changed) = (self.rank + 1) % self.world, self._successor
+            if not self._arrived.is_set() or successor == self.rank or last == 0:
+                return
+            value = self._store.add(self._key("hb", successor), 0)
+            now = time.monotonic()
+            if value != last:
+                self._successor = (value, now)
+            elif now - changed >= self.stale_s:
+                dead = {successor: (f"stopped responding: its heartbeat did not change for "
+                                    f"{now - changed:.0f} s (the process died, was killed or hangs)",)}
+                self.abort(dead)
+                self._set_cause(self._read_abort() or dead)
+        except Exception as exc:  # noqa: BLE001 - a store hiccup must not stop the heartbeats
+            logger.debug("rank %d: watch %s: store error %r", self.rank, self.name, exc)
 
     # -- bounded waits --------------------------------------------------------------------
     def arrive(self, timeout: float) -> None:
@@ -217,7 +230,9 @@ class Watch:
             self._set_cause(cause)
             self.check()
         if self._store.add(self._key("arrived"), 1) >= self.world:
-            self._store.set(self._key("all"), "1")
+            self._store.set(self._key("all"), "1")  # the last rank: no need to read it back
+            self._arrived.set()
+            return
         end = time.monotonic() + timeout
         pause = first_pause(self.world)
         while not self._store.check([self._key("all")]):
@@ -339,3 +354,64 @@ class Watch:
             self._set_cause(self._read_abort() or {self.rank: (mine,)})
         cause = {r: c for r, c in self._cause.items()}
         return PeerFailure(cause)
+
+
+class _Heartbeats:
+    """The process's heartbeat thread (module docstring): beats each watch ``add`` gave it
+    every ``heartbeat_s`` of that watch, the first ``heartbeat_s`` after ``add``, until
+    ``remove``. One beat runs at a time; ``remove`` returns once no beat of its watch runs."""
+
+    def __init__(self) -> None:
+        self.after_fork()
+
+    def after_fork(self) -> None:
+        """A fresh state: a forked child has none of its parent's threads or open watches."""
+        self._cond = threading.Condition()
+        self._due: dict[Watch, float] = {}  # open watch -> monotonic time of its next beat
+        self._beating: Watch | None = None
+        self._wake = float("inf")  # when the thread wakes next, unless notified
+        self._thread: threading.Thread | None = None
+
+    def add(self, watch: Watch) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=HEARTBEAT_THREAD, daemon=True)
+                self._thread.start()
+            due = self._due[watch] = time.monotonic() + watch.heartbeat_s
+            if due < self._wake:
+                self._cond.notify()
+
+    def remove(self, watch: Watch) -> None:
+        with self._cond:
+            self._due.pop(watch, None)
+            while self._beating is watch:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                watch = self._beating = self._next_due()
+            try:
+                watch._beat()
+            finally:
+                with self._cond:
+                    self._beating = None
+                    if watch in self._due:
+                        self._due[watch] = time.monotonic() + watch.heartbeat_s
+                    self._cond.notify_all()
+
+    def _next_due(self) -> Watch:
+        """The open watch whose beat is due, once one is (called holding the lock)."""
+        while True:
+            watch = min(self._due, key=self._due.__getitem__, default=None)
+            now = time.monotonic()
+            if watch is not None and self._due[watch] <= now:
+                self._wake = now
+                return watch
+            self._wake = self._due[watch] if watch is not None else float("inf")
+            self._cond.wait(None if watch is None else self._wake - now)
+
+
+_HEARTBEATS = _Heartbeats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HEARTBEATS.after_fork)

@@ -22,6 +22,7 @@ from ._errors import (
 )
 from ._frameworks import FRAMEWORKS, numpy_to_mindspore, torch_to_numpy
 from ._model import FORMATS, CheckpointMetadata, ChunkMeta
+from ._opened import opened
 from .formats._detect import detect_format
 from .formats._hf import load_hf
 from .formats._hyper import FORMAT as HYPER_FORMAT
@@ -564,11 +565,17 @@ def _load_metadata(root: str, fmt: str, rank: int | None) -> CheckpointMetadata:
     return load_torch_dcp(root)
 
 
+def _parse(root: str, format: str | None, rank: int | None) -> tuple[str, CheckpointMetadata]:
+    fmt = detect_format(root) if format is None else format
+    return fmt, _load_metadata(root, fmt, rank)
+
+
 def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, allow_pickle: bool = False,
                     max_open_files: int = 64, verify_checksums: bool = True,
                     rank: int | None = None, metadata: CheckpointMetadata | None = None) -> CheckpointReader:
     """Open a checkpoint directory: detect (or take) its format, read and validate its
-    metadata (file names, existence, coverage), and return a reader. ``verify_checksums``:
+    metadata (file names, existence, coverage; a directory's metadata is reused while none
+    of its files changed, ``_opened``), and return a reader. ``verify_checksums``:
     check the block checksums (native format) of every block a read touches. Every problem with the
     checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments.
 
@@ -590,8 +597,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
         return CheckpointReader(root, metadata, allow_pickle=allow_pickle, max_open_files=max_open_files,
                                 verify_checksums=verify_checksums)
     try:
-        fmt = detect_format(root) if format is None else format
-        meta = _load_metadata(root, fmt, rank)
+        fmt, meta = opened(root, (format, rank), lambda: _parse(root, format, rank))
     except CheckpointError:
         raise
     except _PARSE_ERRORS as e:

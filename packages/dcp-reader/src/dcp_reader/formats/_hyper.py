@@ -147,14 +147,15 @@ def is_rank_local(path: str | os.PathLike[str]) -> bool:
     directory cannot be listed (opening it then reports why). In an object store, where
     every rank would list the bucket, two HEAD requests decide instead (``0.metadata``, then
     ``.metadata``): no listing."""
-    storage = storage_type(path)(path)  # no I/O yet
-    if not storage.local:
+    kind = storage_type(path)
+    if not kind.local:
+        storage = kind(path)
         try:
             return storage.exists(f"0{METADATA_FILE}") and not storage.exists(METADATA_FILE)
         except CheckpointError:
             return False
     try:
-        names = storage.names()
+        names = set(os.listdir(path))  # a listing needs no real path (one per load: no realpath)
     except OSError:
         return False
     return METADATA_FILE not in names and bool(rank_metadata_files("", names))
