@@ -46,7 +46,8 @@ def _simulated(path: str, mode: str, object_store: bool) -> dict:
     with open_checkpoint(path) as reader:
         tensors = dict(reader.metadata.tensors)
     broadcast, same_host = load_mode(cases.MODES[mode], object_store=object_store)
-    return simulate(tensors, Layout(2, 1, 2, ranks_per_host=4, broadcast=broadcast, same_host_reads=same_host),
+    return simulate(tensors, Layout(2, 1, 2, ranks_per_host=4, broadcast=broadcast, same_host_reads=same_host,
+                                    relay=object_store),
                     time_roles=False)
 
 

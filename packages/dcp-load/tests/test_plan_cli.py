@@ -273,8 +273,9 @@ def test_parse_mesh_takes_each_dimension_once(dims, data) -> None:
 
 
 def test_simulated_object_store_plan_relays_column_shards() -> None:
-    # On object storage (relay) every byte is still read once, and a TP layout's
-    # row-parallel slabs are read whole by one rank each: the ranks read alike.
+    # On object storage (relay) every byte is still read once; a TP layout's row-parallel
+    # slabs are read whole by the host's relaying rank (4 ranks on one 8-rank host: rank 0),
+    # which sends the other columns.
     from dcp_load.plan._simulate import Layout, model_metadata, simulate
 
     tensors = model_metadata("llama-8b")
@@ -282,5 +283,6 @@ def test_simulated_object_store_plan_relays_column_shards() -> None:
            for relay in (False, True)}
     for result in out.values():
         assert result["amplification"] == 1.0 and result["read_bytes_total"] == result["unique_bytes"]
-    assert out[True]["read_bytes_per_rank_max"] == out[True]["read_bytes_per_rank_mean"]
-    assert out[True]["read_bytes_per_rank_max"] < out[False]["read_bytes_per_rank_max"]
+    loads = out[True]["read_bytes_per_rank"]
+    assert loads[0] == max(loads) > out[False]["read_bytes_per_rank_max"]
+    assert out[True]["broadcasts_per_rank_max"] > out[False]["broadcasts_per_rank_max"]
