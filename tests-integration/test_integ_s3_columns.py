@@ -20,31 +20,13 @@ import pytest
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (nox installs it)")
 pytest.importorskip("obstore", reason="the S3 tests need obstore (nox installs it)")
 
-import torch  # noqa: E402
 from dcp_platform.testing import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import integ_s3_columns_cases as cases  # noqa: E402
 import s3_server  # noqa: E402
 
 BUCKET = "columns"
-# name -> (shape, dtype); every one is sharded on its last dimension
-SPECS = {
-    "o_proj": ((1024, 1024), torch.bfloat16),  # a row-parallel weight: 1 KiB runs per rank
-    "down": ((512, 2048), torch.float32),
-    "conv": ((64, 64, 3, 3), torch.float32),  # runs of one or two elements
-    "experts": ((8, 128, 256), torch.bfloat16),
-    "embed": ((8192, 64), torch.float32),  # 128-byte runs
-}
-
-
-def _full(name: str) -> torch.Tensor:
-    shape, dtype = SPECS[name]
-    g = torch.Generator().manual_seed(sum(map(ord, name)))
-    return torch.randn(shape, generator=g).to(dtype)
-
-
-def _unique() -> int:
-    return sum(_full(n).numel() * _full(n).element_size() for n in SPECS)
 
 
 @pytest.fixture(scope="module")
@@ -58,43 +40,20 @@ def s3(tmp_path_factory: pytest.TempPathFactory):
             from dcp_reader.storage import ObjectStorage
 
             local = tmp_path_factory.mktemp("columns") / "model.safetensors"
-            save_file({n: _full(n) for n in SPECS}, str(local))
+            save_file({n: cases.full(n) for n in cases.SPECS}, str(local))
             ObjectStorage(f"s3://{BUCKET}/hf").put("model.safetensors", [local.read_bytes()])
             yield proxy, f"s3://{BUCKET}/hf"
     finally:
         server.stop()
 
 
-def _columns(rank: int, world: int, uri: str, rename: bool) -> dict:
-    import dcp_load
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    key = (lambda n: f"model.{n}") if rename else (lambda n: n)
-    state = {}
-    for name, (shape, dtype) in SPECS.items():
-        placements = [Replicate(), Shard(len(shape) - 1)]
-        state[key(name)] = distribute_tensor(torch.full(shape, float("nan"), dtype=dtype), mesh, placements)
-    sources = {key(n): n for n in SPECS} if rename else None
-    report = dcp_load.load(state, checkpoint_id=uri, timeout=120, sources=sources)
-    wrong = []
-    for name in SPECS:
-        d = state[key(name)]
-        want = distribute_tensor(_full(name), mesh, d.placements).to_local()
-        if not torch.equal(d.to_local().view(torch.uint8), want.view(torch.uint8)):
-            wrong.append(name)
-    return {"wrong": wrong, "fetched": report.job_bytes_fetched, "unique": report.job_unique_bytes,
-            "sent": report.bytes_sent, "read": report.bytes_read}
-
-
 @pytest.mark.parametrize("rename", [False, True], ids=["names", "sources-renamed"])
 def test_column_shards_fetch_each_byte_once_in_few_gets(s3, rename: bool) -> None:
     proxy, uri = s3
     proxy.faults.reset_counts()
-    per_rank = run_ranks(_columns, 4, uri, rename, env=s3_server.s3_env(proxy.endpoint), timeout=300, pg_timeout=200)
+    per_rank = run_ranks(cases.columns, 4, uri, rename, env=s3_server.s3_env(proxy.endpoint), timeout=300, pg_timeout=200)
     assert all(not r["wrong"] for r in per_rank), [r["wrong"] for r in per_rank]
-    unique = _unique()
+    unique = cases.unique()
     assert per_rank[0]["unique"] == unique
     assert per_rank[0]["fetched"] <= 1.05 * unique, (per_rank[0]["fetched"], unique)
     # what the server sent, headers included: 4 ranks' ranged GETs
