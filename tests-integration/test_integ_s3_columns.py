@@ -62,3 +62,22 @@ def test_column_shards_fetch_each_byte_once_in_few_gets(s3, rename: bool) -> Non
     assert proxy.faults.gets <= 40, proxy.faults.gets
     assert sum(r["read"] for r in per_rank) >= unique  # every byte some rank read
 
+
+
+def test_the_reader_counts_what_the_store_sent(s3) -> None:
+    # A column half read alone: each row's run is fetched with the other half as the gap
+    # its GET reads through. bytes_fetched counts what the store sent, not only the box.
+    import torch
+    from dcp_reader import open_checkpoint
+
+    proxy, uri = s3
+    with open_checkpoint(uri) as reader:
+        chunk = reader.metadata.tensors["down"].chunks[0]
+        out = torch.empty(512, 1024)
+        read0, fetched0 = reader.bytes_read, reader.bytes_fetched
+        proxy.faults.reset_counts()
+        reader.read_into("down", chunk, (0, 0), (512, 1024), out)
+        box = out.numel() * 4
+        assert torch.equal(out, cases.full("down")[:, :1024])
+        assert reader.bytes_read - read0 == box
+        assert reader.bytes_fetched - fetched0 == proxy.faults.get_bytes >= 1.9 * box

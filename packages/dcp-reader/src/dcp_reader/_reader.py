@@ -59,6 +59,11 @@ class _RawFile:
             self.fd = None
 
 
+def _handle(f: Any) -> Any:
+    """What an open data file reads through: a descriptor, or an object store's ``ObjectFile``."""
+    return f.fd if isinstance(f, _RawFile) else f._fd
+
+
 class CheckpointReader:
     """Reads boxes of saved chunks. Use from one thread at a time (``sibling()`` gives another
     thread its own reader); a context manager.
@@ -82,6 +87,7 @@ class CheckpointReader:
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
         self._overread = 0  # bytes covering reads fetched beyond their boxes
+        self._served = 0  # bytes an object store sent for files since closed (``bytes_fetched``)
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         self._layouts = BlobLayouts()  # torch-dcp: where each blob's tensor lies
         # file -> (its unpickled values, the value checksums its bytes were verified against)
@@ -97,8 +103,19 @@ class CheckpointReader:
     @property
     def bytes_fetched(self) -> int:
         """Bytes taken from storage: ``bytes_read`` plus what covering reads fetched around
-        their boxes (``read_covering``)."""
+        their boxes (``read_covering``). From an object store, every byte its GETs sent for
+        this reader's files: the gaps a GET read through between wanted ranges and the
+        files' headers included."""
+        served = [h.fetched for h in map(_handle, self._files.values()) if hasattr(h, "fetched")]
+        if served or self._served:
+            return self._served + sum(served)
         return self._bytes_read + self._overread
+
+    def _drop(self, f: Any) -> None:
+        """Close an open file, keeping what an object store sent for it."""
+        h = _handle(f)
+        self._served += getattr(h, "fetched", 0)
+        f.close()
 
     @property
     def storage(self) -> Storage:
@@ -133,7 +150,7 @@ class CheckpointReader:
     def close(self) -> None:
         files, self._files = self._files, OrderedDict()
         for f in files.values():
-            f.close()
+            self._drop(f)
         self._blob = None
         self._pickles.clear()
         self._layouts.clear()
@@ -148,7 +165,7 @@ class CheckpointReader:
         self._files[name] = f
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)
-            old.close()
+            self._drop(old)
         return f
 
     def prefetch(self, files: list[str]) -> None:
@@ -171,7 +188,7 @@ class CheckpointReader:
             if f is not None:
                 self._files[name] = f
                 if len(self._files) > self._max_open:
-                    self._files.popitem(last=False)[1].close()
+                    self._drop(self._files.popitem(last=False)[1])
 
     def _new_file(self, name: str, key: str | None) -> Any:
         return _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
