@@ -65,6 +65,19 @@ def env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def bucket_behind_proxy(bucket: str) -> Iterator[FaultProxy]:
+    """A moto server with ``bucket``, a counting ``FaultProxy`` in front and the AWS
+    variables pointing at the proxy, for the ``with`` block; the server stops after it."""
+    server, endpoint = start_moto()
+    try:
+        make_bucket(endpoint, bucket)
+        with FaultProxy(endpoint) as proxy, env(s3_env(proxy.endpoint)):
+            yield proxy
+    finally:
+        server.stop()
+
+
 def make_bucket(endpoint: str, bucket: str) -> None:
     conn = http.client.HTTPConnection(endpoint.removeprefix("http://"), timeout=30)
     conn.request("PUT", f"/{bucket}")

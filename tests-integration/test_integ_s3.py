@@ -30,17 +30,12 @@ BUCKET = "ckpt"
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory):
     """(proxy, {format: s3:// uri}): the server, a proxy in front, every format uploaded."""
-    server, endpoint = s3_server.start_moto()
-    try:
-        s3_server.make_bucket(endpoint, BUCKET)
-        with s3_server.FaultProxy(endpoint) as proxy, s3_server.env(s3_server.s3_env(proxy.endpoint)):
-            local = cases.build_local(str(tmp_path_factory.mktemp("s3src")))
-            uris = {f: f"s3://{BUCKET}/formats/{f}" for f in cases.FORMATS}
-            for f, d in local.items():
-                cases.upload(d, uris[f])
-            yield proxy, uris
-    finally:
-        server.stop()
+    with s3_server.bucket_behind_proxy(BUCKET) as proxy:
+        local = cases.build_local(str(tmp_path_factory.mktemp("s3src")))
+        uris = {f: f"s3://{BUCKET}/formats/{f}" for f in cases.FORMATS}
+        for f, d in local.items():
+            cases.upload(d, uris[f])
+        yield proxy, uris
 
 
 @pytest.mark.parametrize("fmt", cases.FORMATS)

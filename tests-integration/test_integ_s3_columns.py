@@ -33,18 +33,13 @@ BUCKET = "columns"
 def s3(tmp_path_factory: pytest.TempPathFactory):
     from safetensors.torch import save_file
 
-    server, endpoint = s3_server.start_moto()
-    try:
-        s3_server.make_bucket(endpoint, BUCKET)
-        with s3_server.FaultProxy(endpoint) as proxy, s3_server.env(s3_server.s3_env(proxy.endpoint)):
-            from dcp_reader.storage import ObjectStorage
+    with s3_server.bucket_behind_proxy(BUCKET) as proxy:
+        from dcp_reader.storage import ObjectStorage
 
-            local = tmp_path_factory.mktemp("columns") / "model.safetensors"
-            save_file({n: cases.full(n) for n in cases.SPECS}, str(local))
-            ObjectStorage(f"s3://{BUCKET}/hf").put("model.safetensors", [local.read_bytes()])
-            yield proxy, f"s3://{BUCKET}/hf"
-    finally:
-        server.stop()
+        local = tmp_path_factory.mktemp("columns") / "model.safetensors"
+        save_file({n: cases.full(n) for n in cases.SPECS}, str(local))
+        ObjectStorage(f"s3://{BUCKET}/hf").put("model.safetensors", [local.read_bytes()])
+        yield proxy, f"s3://{BUCKET}/hf"
 
 
 @pytest.mark.parametrize("rename", [False, True], ids=["names", "sources-renamed"])
