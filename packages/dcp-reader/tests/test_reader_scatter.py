@@ -70,3 +70,25 @@ def test_read_into_any_box_equals_the_slice(tmp_path_factory, box):
         out = torch.full(sizes, 99, dtype=dtype)
         reader.read_into("w", chunk, offsets, sizes, out)
     assert torch.equal(out, full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))])
+
+
+def test_rows_one_stride_apart_are_read_natively(tmp_path, monkeypatch):
+    # Rows of a 2-D box (a range of offsets, gaps within MAX_GAP): iovecs built by NumPy, no
+    # Python call per run; equal to the slices. Offsets that are no range go the portable way.
+    from dcp_reader.storage import _scatter
+
+    data = np.random.default_rng(3).integers(0, 256, 4096 * 96, dtype=np.uint8)
+    fd, path = _file(tmp_path, data.tobytes())
+    calls = []
+    monkeypatch.setattr(_scatter, "_read_group", lambda *a, **k: calls.append(a) or 0)
+    try:
+        out = bytearray(4096 * 32)
+        offsets = range(16, 4096 * 96, 96)
+        pread_runs(fd, out, 0, offsets, 32, path=path, key="k")
+        assert not calls
+        assert bytes(out) == b"".join(data[o:o + 32].tobytes() for o in offsets)
+        with pytest.raises(ValueError):  # the portable path ran (and, stubbed, filled nothing)
+            pread_runs(fd, bytearray(64), 0, iter([0, 96]), 32, path=path, key="k")
+        assert calls
+    finally:
+        os.close(fd)
