@@ -46,8 +46,8 @@ def metadata_digest(tensors: Mapping[str, Any], *, values: Mapping[str, Any] | N
 def settings_text(settings: tuple[Any, ...]) -> str:
     """The broadcast settings ``_load`` compares, as a person reads them (in mismatch errors)."""
     return (f"broadcast_replicated_tensors={settings[0]}, broadcast_batch_bytes={settings[1]}, "
-            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}"
-            + (f", storage={'an object store' if settings[4] else 'local'}" if len(settings) > 4 else ""))
+            f"broadcast_groups={'given' if settings[2] else 'None'}, planner={settings[3] or 'default'}, "
+            f"storage={'an object store' if settings[4] else 'local'}")
 
 
 def checkpoint_digest(reader: Any) -> int:

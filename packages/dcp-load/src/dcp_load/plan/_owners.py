@@ -25,9 +25,9 @@ tensors, so that a rank can plan only the tensors it holds):
 * With ``same_host_reads`` the holders on the reader's host read the box themselves from
   the page cache the reader filled, and only holders on other hosts receive the broadcast.
 * With ``relay`` (the checkpoint is in an object store) a slab whose boxes are several
-  column boxes of one dtype is read whole by one rank: the holder of any of its boxes
-  nearest to the anchor. It broadcasts each box to its holders, relaying those it does not
-  hold (``ReadItem.relay``). A column box's rows are interleaved with the other columns in
+  column boxes of one dtype is read whole by one rank: a holder of any of its boxes on the
+  anchor's host (``RELAYS_PER_HOST``). It broadcasts each box to its holders, relaying those
+  it does not hold (``ReadItem.relay``). A column box's rows are interleaved with the other columns in
   the file, so read by its own holders each slab costs a GET per row or fetches the other
   columns too; read whole by one rank it is one range of a few GETs, fetched once.
 
@@ -175,10 +175,7 @@ class PlanBuilder:
 
     def _mine(self, ranks: Sequence[int]) -> bool:
         """Whether this builder's rank (``only``) is in the sorted ``ranks`` (or no ``only``)."""
-        if self.only is None:
-            return True
-        i = bisect.bisect_left(ranks, self.only)
-        return i < len(ranks) and ranks[i] == self.only
+        return self.only is None or self._mine_of(ranks, self.only)
 
     # -- one tensor --------------------------------------------------------------------
     def add_tensor(self, name: str, meta: Any, held: Mapping[tuple[Any, ...], list[Any]]) -> None:

@@ -24,6 +24,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from dcp_reader.storage._scatter import MAX_GAP
+
 __all__ = ["LOCAL_COST", "OBJECT_COST", "BoxGeometry", "ReadChoice", "ReadCost", "choose", "cover_pieces",
            "read_cost_of"]
 
@@ -55,10 +57,6 @@ class ReadCost:
 #: ranks of a TP group on one host share the page cache, so a covering range fetches each
 #: page once per host; 8 lets a TP8 row-parallel half and a conv kernel's 1-of-3 column
 #: cover, while a 1-of-64 column never does.
-#: The largest gap between rows that dcp-reader's native scattering reads through (its
-#: ``_scatter.MAX_GAP``); rows farther apart are read run by run.
-NATIVE_GAP = 16 * 1024
-
 #: ``row_run_s``: runs one stride apart are read by ``preadv`` on iovecs built outside Python
 #: (dcp-reader ``storage/_scatter.py``): 65,536 runs of 64 B took 4.3 ms, 0.84 ms of it the
 #: bytes, so about 0.05 us a run (the other core busy).
@@ -143,7 +141,8 @@ class ReadChoice:
 def _exact(g: BoxGeometry, cost: ReadCost) -> ReadChoice:
     runs = g.runs
     calls = max(1, -(-runs // 512)) if runs > 1 else 1  # preadv takes up to 1024 iovecs: a run and a gap each
-    native = cost.row_run_s is not None and g.outer == 1 and g.strides[0] - g.span(1) <= NATIVE_GAP
+    # dcp-reader scatters rows natively while the gap between them is within its MAX_GAP
+    native = cost.row_run_s is not None and g.outer == 1 and g.strides[0] - g.span(1) <= MAX_GAP
     per_run = cost.row_run_s if native else cost.run_s
     seconds = calls * cost.request_s + (runs if runs > 1 else 0) * per_run + g.nbytes / cost.bytes_per_s
     return ReadChoice(False, g.outer, g.nbytes, calls if runs > 1 else 1, seconds)
