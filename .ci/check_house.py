@@ -24,8 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_TOP_MODULES = 14
 #: dcp-load's layers, lowest first; a module may import its own layer and those below it.
 LAYERS = ["_errors", "layouts", "plan", "run", "_load", "saving", "transferring", "conversion", "cli"]
-#: The modules of dcp-load outside the layer order: the package's front, its version, the demo.
-UNLAYERED = {"__init__", "_version", "demo"}
+#: The modules of dcp-load outside the layer order: the package's fronts (itself and torch_compat), its
+#: version, the demo.
+UNLAYERED = {"__init__", "_version", "demo", "torch_compat"}
 
 
 def modules(src: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .plan._plan import Planner
-from .run._coordinate import next_load_slot, skip_slot
+from .run._coordinate import next_load_slot, scope_of, skip_slot
 from .run._report import LoadReport
 from .run._steps import (
     AUTO,
@@ -29,6 +29,7 @@ from .run._steps import (
     run_plan,
     validate_reads,
 )
+from .run._torch_args import load_arguments
 
 __all__ = ["AUTO", "DEFAULT_BATCH_BYTES", "fallback_platform", "load", "resolve_platform"]
 
@@ -54,24 +55,29 @@ def load(
     allow_dtype_cast: bool = True,
     timeout: Any = None,
     sources: Mapping[str, Any] | None = None,
+    process_group: Any = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from ``checkpoint_id`` (a directory or ``s3://`` URI) or an
     open ``storage_reader``; call on every rank, the n-th call of each rank matched with the
-    n-th of the others. ``planner``: default none, the byte-level owner rule (README "How it
-    plans"). ``broadcast_replicated_tensors``: ``"auto"`` re-reads on one host and broadcasts
+    n-th of the others. ``storage_reader`` and ``planner`` also take torch DCP's (README,
+    "Coming from torch.distributed.checkpoint"); ``planner``: default none, the byte-level
+    owner rule (README "How it plans"). ``broadcast_replicated_tensors``: ``"auto"`` re-reads on one host and broadcasts
     across hosts and on object storage; ``True`` always, ``False`` never. ``sources``: renames
     and ``Concat``/``Stack``/``Slice`` compositions. The README's "API" table describes every
     argument. Every problem is found before any destination is written; a failure on any
-    rank raises ``LoadError`` on every rank within ``timeout``. Returns this rank's report."""
-    slot = next_load_slot()  # every call counts, so that the n-th calls of all ranks pair up
+    rank raises ``LoadError`` on every rank within ``timeout``. ``process_group``: the
+    torch.distributed group to load within (default: the default group); ranks outside it
+    do not call. Returns this rank's report."""
+    slot = next_load_slot(scope_of(process_group))  # every call counts: the n-th calls of all ranks pair up
     try:
-        coord, platform, leaves, errors, source_map = enter(
+        checkpoint_id, storage_reader, planner, strict = load_arguments(checkpoint_id, storage_reader, planner, strict)
+        coord, platform, leaves, errors, source_map, resolved = enter(
             slot, state_dict, sources, checkpoint_id=checkpoint_id, storage_reader=storage_reader, no_dist=no_dist,
             use_collectives=use_collectives, broadcast_replicated_tensors=broadcast_replicated_tensors,
             broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes, platform=platform,
-            timeout=timeout)
+            timeout=timeout, process_group=process_group)
     except BaseException as exc:
-        skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}")
+        skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}", process_group)
         raise
     with coord:
         coord.arrive()
@@ -89,7 +95,7 @@ def load(
             got = validate_reads(coord, prep, plan, me, collective, phases, checked)
             stats = run_plan(coord, platform, plan, me, prep, phases, derived=derived, groups=broadcast_groups,
                              batch_bytes=broadcast_batch_bytes)
-            job_read, job_unique, job_fetched = finish(coord, prep, plan, stats, got, collective, phases)
+            job_read, job_unique, job_fetched = finish(coord, prep, plan, stats, got, collective, phases, resolved)
         finally:
             close(prep, phases)
         return make_report(platform, collective, prep, plan, stats, phases, job_read=job_read,

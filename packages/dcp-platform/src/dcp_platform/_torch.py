@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ._base import Capabilities, Handle, Platform
+from ._group import GroupView
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ class _CopyBackHandle:
                 self._work.wait(timeout=timeout)
         self._work = None
         self._dst.copy_(self._tmp.view(self._dst.dtype).view(self._dst.shape))
+
+
+def _wait(handle: Any) -> None:
+    handle.wait()
 
 
 def _timed_out(handle: Any, exc: BaseException) -> bool:
@@ -117,8 +122,14 @@ def _parameters(fn: Callable[..., Any]) -> frozenset[str]:
 class TorchPlatform(Platform):
     """torch.distributed over gloo (host tensors) or NCCL (CUDA tensors).
 
-    ``device``: where staging buffers live; by default ``cuda:<current>`` when the default
-    process group uses NCCL, else ``cpu``. ``group_timeout`` bounds every group created here.
+    ``device``: where staging buffers live; by default ``cuda:<current>`` when the process
+    group uses NCCL, else ``cpu``. ``group_timeout`` bounds every group created here.
+
+    ``group``: the process group to work within (default ``None``: the default group, the
+    world). With a group, ranks, world size, store and every collective are the group's
+    (``_group.GroupView``): ranks outside it take no part. ``store``, ``group_key`` and
+    ``global_ranks`` describe a group not registered with ``torch.distributed`` (one joined
+    through a ``TCPStore``; see ``GroupView``).
     """
 
     name = "torch"
@@ -127,12 +138,18 @@ class TorchPlatform(Platform):
     _default_backend = "gloo"
 
     def __init__(self, device: str | torch.device | None = None,
-                 group_timeout: timedelta = DEFAULT_GROUP_TIMEOUT):
+                 group_timeout: timedelta = DEFAULT_GROUP_TIMEOUT, group: Any = None, *, store: Any = None,
+                 group_key: str | None = None, global_ranks: Sequence[int | None] | None = None):
         self._group_timeout = group_timeout
         self._created: dict[tuple[int, ...], Any] = {}
         self._control: Any = None
         initialised = dist.is_available() and dist.is_initialized()
-        backend = dist.get_backend() if initialised else self._default_backend
+        if group is not None and initialised and group is dist.group.WORLD:
+            group = None  # the world is the default: the same platform as without a group
+        self._view = GroupView(group, group_timeout, store=store, key=group_key,
+                               global_ranks=global_ranks) if group is not None else None
+        backend = (self._view.backend if self._view is not None else dist.get_backend() if initialised
+                   else self._default_backend)
         self._backend = str(backend)
         if device is None:
             device = self._default_device()
@@ -145,16 +162,28 @@ class TorchPlatform(Platform):
             host_collectives=host,
             device_type=self._device.type,
             async_overlap=self._device.type != "cpu",
-            member_groups=_member_groups_supported(),
+            member_groups=self._view is not None or _member_groups_supported(),
         )
 
     def _default_device(self) -> torch.device:
-        if self._backend == "nccl" and torch.cuda.is_available():
+        if "nccl" in self._backend and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(backend={self._backend!r}, device={str(self._device)!r})"
+        within = f", group={self._view!r}" if self._view is not None else ""
+        return f"{type(self).__name__}(backend={self._backend!r}, device={str(self._device)!r}{within})"
+
+    @property
+    def group_key(self) -> str:
+        """A name for the group this platform works within, the same on every member:
+        ``"world"`` for the default group, else the group's key (``GroupView.key``)."""
+        return "world" if self._view is None else self._view.key
+
+    def global_ranks(self) -> tuple[int | None, ...] | None:
+        """Per rank of this platform, its rank in this process's default world (None where
+        outside it); None when the platform is the world itself (the identity)."""
+        return None if self._view is None else self._view.global_ranks
 
     @property
     def capabilities(self) -> Capabilities:
@@ -171,37 +200,58 @@ class TorchPlatform(Platform):
 
     # -- ranks -------------------------------------------------------------------------
     def is_distributed(self) -> bool:
+        if self._view is not None:
+            return self._view.size() > 1
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def rank(self) -> int:
+        if self._view is not None:
+            return self._view.rank()
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def world_size(self) -> int:
+        if self._view is not None:
+            return self._view.size()
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
+    def _all_gather(self, outs: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+        if self._view is not None:
+            return self._view.all_gather(outs, tensor)
+        return dist.all_gather(outs, tensor, group=self._control_group(), async_op=True)
+
     def all_gather_object(self, obj: Any, *, waiter: Callable[[Any], Any] | None = None) -> list[Any]:
-        if not (dist.is_available() and dist.is_initialized()):
+        if self._view is None and not (dist.is_available() and dist.is_initialized()):
             return [obj]
-        group = self._control_group()
         if waiter is None:
-            out: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(out, obj, group=group)
-            return out
+            if self._view is None:
+                out: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(out, obj, group=self._control_group())
+                return out
+            waiter = _wait  # the group's own handles, waited on without a bound
         # Two asynchronous all-gathers (lengths, then padded payloads), each waited on by
         # ``waiter``, so that a caller can bound the wait and abort it.
-        world = dist.get_world_size()
+        world = self.world_size()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                    dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        waiter(dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64),
-                               group=group, async_op=True))
+        waiter(self._all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64)))
         longest = max(int(s[0]) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:payload.numel()] = payload
         outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        waiter(dist.all_gather(outs, padded, group=group, async_op=True))
+        waiter(self._all_gather(outs, padded))
         # Objects come from the ranks of this job, as with torch.distributed.all_gather_object.
         return [pickle.loads(o[:int(s[0])].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
+        """Start an element-wise ``"sum"`` or ``"max"`` of the host (int64) ``tensor`` over
+        every rank, in place, on the control group; returns the handle to wait on."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
+        if self._view is not None:
+            return self._view.all_reduce(tensor, op)
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
+                               group=self._control_group(), async_op=True)
 
     def _control_group(self) -> Any:
         """A host-memory (gloo) group over the world for small control messages.
@@ -217,11 +267,15 @@ class TorchPlatform(Platform):
         return self._control
 
     def store(self) -> Any:
+        if self._view is not None:
+            return self._view.store
         if not (dist.is_available() and dist.is_initialized()):
             return None
         return dist.distributed_c10d._get_default_store()
 
     def group_timeout(self) -> float | None:
+        if self._view is not None:
+            return self._view.timeout_seconds()
         if not (dist.is_available() and dist.is_initialized()):
             return None
         from torch.distributed import distributed_c10d as c10d
@@ -261,6 +315,8 @@ class TorchPlatform(Platform):
 
     # -- groups ------------------------------------------------------------------------
     def world_group(self) -> Any:
+        if self._view is not None:
+            return self._view.pg
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 f"the {self.name!r} platform has no world group: torch.distributed is not "
@@ -275,6 +331,8 @@ class TorchPlatform(Platform):
         world = self.world_size()
         if not key or key[0] < 0 or key[-1] >= world:
             raise ValueError(f"new_group: ranks {list(key)} out of range for world size {world}")
+        if self._view is not None:  # every member of the view's group calls it, in one order
+            return self._view.make(key, self._view.next_name(key))
         group = dist.new_group(ranks=list(key), timeout=self._group_timeout)
         self._created[key] = group
         return group
@@ -300,6 +358,8 @@ class TorchPlatform(Platform):
                              f"size {world}, got {list(key)}")
         if me not in key:
             raise ValueError(f"new_member_group: rank {me} is not in {list(key)}; only members call it")
+        if self._view is not None:
+            return self._view.make(key, f"m-{name}")
         out = c10d._new_process_group_helper(
             group_size=len(key), group_rank=key.index(me), global_ranks_in_group=list(key),
             backend=c10d.Backend(dist.get_backend()), store=c10d._get_default_store(),
@@ -310,8 +370,11 @@ class TorchPlatform(Platform):
         return group
 
     def destroy_group(self, group: Any) -> None:
-        if group is None or group is dist.group.WORLD:
+        if group is None or group is dist.group.WORLD or (self._view is not None and group is self._view.pg):
             raise ValueError("destroy_group: the world group cannot be destroyed")
+        if self._view is not None:
+            self._view.destroy(group)
+            return
         for key, g in list(self._created.items()):
             if g is group:
                 del self._created[key]
@@ -330,7 +393,10 @@ class TorchPlatform(Platform):
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> Handle | None:
         wire, is_tmp = self._transport(tensor)
-        work = dist.broadcast(wire, src=src, group=group, async_op=True)
+        if self._view is not None:
+            work = self._view.broadcast(wire, src, group)
+        else:
+            work = dist.broadcast(wire, src=src, group=group, async_op=True)
         if is_tmp:
             return _CopyBackHandle(work, wire, tensor)
         return work

@@ -60,7 +60,7 @@ def checkpoint_digest(reader: Any) -> int:
 
 
 def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world: int,
-             shapes: Mapping[str, tuple[int, ...]]) -> list[Derived] | None:
+             shapes: Mapping[str, tuple[int, ...]], to_group: Mapping[int, int] | None = None) -> list[Derived] | None:
     out = []
     meshes: dict[int, Any] = {}
     boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
@@ -70,11 +70,18 @@ def _entries(wants: Sequence[Want], values: Mapping[str, Any], rank: int, world:
         own = boxes.pop(name, None)
         if own is None:
             continue
-        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, own, rank, meshes)
+        entry = derive_entry(values[name], name, shapes[name], dtype, flags, world, own, rank, meshes, to_group)
         if entry is None:
             return None
         out.append(entry)
     return out
+
+
+def _to_group(platform: Any) -> dict[int, int] | None:
+    """Global rank -> the platform's rank, when the platform works within a process group
+    (``TorchPlatform.global_ranks``); None for the world."""
+    ranks = platform.global_ranks() if hasattr(platform, "global_ranks") else None
+    return None if ranks is None else {g: r for r, g in enumerate(ranks) if g is not None}
 
 
 @dataclass
@@ -112,12 +119,13 @@ def derived_plan(platform: Any, tensors: Mapping[str, Any], wants: Sequence[Want
     if not failed and not custom_planner:
         try:
             shapes = {name: tuple(int(s) for s in tensors[name].shape) for name, *_ in wants}
-            entries = _entries(wants, values, rank, world, shapes)
+            entries = _entries(wants, values, rank, world, shapes, _to_group(platform))
             meta_hash = metadata_digest(tensors) if given is None else given
         except Exception:  # noqa: BLE001 - this rank must still join the exchange: it gathers instead
             logger.warning("rank %d: cannot derive the wants; gathering them", rank, exc_info=True)
             entries = None
-    local_world = local_world_size() if broadcast else 0
+    # Nodes follow from $LOCAL_WORLD_SIZE in the world's numbering only, not a group's.
+    local_world = local_world_size() if broadcast and _to_group(platform) is None else 0
     host = host_id() if broadcast else ""
     guess = None
     if entries is not None and check is not None:

@@ -41,10 +41,11 @@ Only on a mismatch do ranks gather details (to name the ranks that differ, in a
 ``LoadError`` raised on every rank), and only when hosts cannot be derived do they gather
 host ids (one short string each).
 
-Control traffic never touches device memory: when the default process group is not gloo
-(NCCL, HCCL), a gloo group over the world is created once per default group and kept for
-later loads (``control_group``); creating it is a collective every rank makes in the same
-load call, decided by the backend name all ranks share.
+Control traffic never touches device memory: it runs on the platform's control group
+(``Platform.all_reduce``, ``all_gather_object``): when the process group is not gloo (NCCL,
+HCCL), a gloo group over its ranks is created once per group and kept for later loads;
+creating it is a collective every rank makes in the same load call, decided by the backend
+name all ranks share.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from typing import Any
 from .._errors import LoadError, format_ranks
 from ._derive import Derived
 
-__all__ = ["LANES_BYTES", "Agreement", "agree", "all_equal", "all_reduce", "checkpoint_causes", "control_group", "digest",
+__all__ = ["LANES_BYTES", "Agreement", "agree", "all_equal", "all_reduce", "checkpoint_causes", "digest",
            "equal_lanes", "gather_hosts", "Reduction", "start_all_reduce"]
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,6 @@ _EQUAL = 4  # metadata, settings, host mode, host id
 #: bytes each rank sends for the digest: 6 lanes per value every rank must share, the
 #: derivable and failed flags, the nonce, the counted flag, 2 holders and 2 hosts lanes
 LANES_BYTES = 8 * (6 * _EQUAL + 4 + 4 + 1)
-
-#: default process group -> its gloo twin; kept for the process's life like the group it
-#: mirrors (creating one is a collective, so it is not repeated per load).
-_GLOO_GROUPS: dict[int, tuple[Any, Any]] = {}
 
 
 def digest(*parts: Any) -> int:
@@ -142,21 +139,6 @@ def _join(hi: int, lo: int) -> int:
 
 
 # -- the control channel ---------------------------------------------------------------
-def control_group(platform: Any) -> Any:
-    """The CPU group control traffic uses: None (the default group) when it is gloo, else a
-    gloo group over the world, created once per default group."""
-    import torch.distributed as dist
-
-    if "gloo" in str(dist.get_backend()):
-        return None
-    world = dist.group.WORLD
-    cached = _GLOO_GROUPS.get(id(world))
-    if cached is None or cached[0] is not world:
-        logger.debug("creating a gloo group for control traffic beside the %s default group", dist.get_backend())
-        cached = _GLOO_GROUPS[id(world)] = (world, dist.new_group(backend="gloo"))
-    return cached[1]
-
-
 def _torch(platform: Any) -> bool:
     return getattr(platform, "name", "") in ("torch", "ascend")
 
@@ -195,12 +177,9 @@ def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = 
     the steps of local work the others may still make before joining (``Watch.wait``)."""
     if _torch(platform):
         import torch
-        import torch.distributed as dist
 
         t = torch.tensor(list(lanes), dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM,
-                               group=control_group(platform), async_op=True)
-        return Reduction(work, t, watch, phases=phases)
+        return Reduction(platform.all_reduce(t, op), t, watch, phases=phases)
     # Other platforms gather (each rank still sends only its lanes) and reduce here.
     gathered = gather(platform, list(lanes), watch)
     reduce = max if op == "max" else sum
@@ -212,12 +191,6 @@ def gather(platform: Any, obj: Any, watch: Any = None) -> list[Any]:
     all-gather (over its own host-memory control group), else this module's control group."""
     if watch is not None:
         return watch.gather(obj)
-    if _torch(platform):
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=control_group(platform))
-        return out
     return platform.all_gather_object(obj)
 
 
@@ -307,27 +280,22 @@ def _counted_twice(platform: Any, entries: Sequence[Derived], rank: int, world: 
                    watch: Any) -> bool:
     """Whether a name was counted by two layouts (module docstring): two all-reduces, the
     first so that every count is in before any rank reads, the second after every read."""
-    keys = _count_names(entries, rank, world, nonce)
+    store = platform.store()
+    keys = _count_names(store, entries, rank, world, nonce)
     try:
         all_reduce(platform, [0], "sum", watch)
-        return bool(all_reduce(platform, [_twice(keys)], "max", watch)[0])
+        return bool(all_reduce(platform, [_twice(store, keys)], "max", watch)[0])
     finally:
-        _forget(keys)
+        _forget(store, keys)
 
 
-def _store() -> Any:
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
-
-
-def _count_names(entries: Sequence[Derived], rank: int, world: int, nonce: int) -> list[str]:
+def _count_names(store: Any, entries: Sequence[Derived], rank: int, world: int, nonce: int) -> list[str]:
     """Count, in the store, every (name, layout) this rank leads; returns the keys.
 
     A layout held by every rank (plain tensors, world-replicated DTensors) is not counted:
     a second layout of its name would need ranks outside the world (a rank holds one entry
     per name, and the holders check already fails when ranks disagree on its layout)."""
-    store, keys = _store(), []
+    keys = []
     for e in entries:
         if len(e.holders) < world and e.holders and e.holders[digest(e.name) % len(e.holders)] == rank:
             key = f"dcp_load/{nonce:x}/{digest(e.name):x}"
@@ -336,17 +304,13 @@ def _count_names(entries: Sequence[Derived], rank: int, world: int, nonce: int) 
     return keys
 
 
-def _twice(keys: Sequence[str]) -> int:
+def _twice(store: Any, keys: Sequence[str]) -> int:
     """1 when a name this rank counted was counted by another layout too."""
-    store = _store()
     return int(any(store.add(key, 0) > 1 for key in keys))
 
 
-def _forget(keys: Sequence[str]) -> None:
+def _forget(store: Any, keys: Sequence[str]) -> None:
     """Remove this rank's counts from the store (two leaders of one name both try: fine)."""
-    if not keys:
-        return
-    store = _store()
     for key in keys:
         try:
             store.delete_key(key)

@@ -41,7 +41,8 @@ from .._errors import LoadError
 from ..plan._digest import all_reduce
 from ._validate import exchange
 
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "next_load_slot", "skip_slot", "timeout_seconds", "unusable_cause"]
+__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "refused_together", "scope_of",
+           "skip_slot", "timeout_seconds", "unusable_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +55,46 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 #: small (a few seconds of arrival wait), since that leaves the process group unusable.
 MIN_STALL_S = 30.0
 
-# Process-wide counts: every load call, and every collective save (module docstring). Every
-# rank counts its own calls; a module-level counter is what lets separate Platform objects
-# (one per call) agree.
-_LOADS = itertools.count()
-_SAVES = itertools.count()
+# Process-wide counts per process group (``Platform.group_key``: ``"world"`` for the
+# default group): every load call, every collective save, every transfer. Every rank counts
+# its own calls; a module-level counter is what lets separate Platform objects (one per
+# call) agree, and one per group lets loads on a sub-group leave the world's count alone.
+_COUNTS: dict[tuple[str, str], Any] = {}
 
-# Default process groups left with an unfinished collective by a failed load or save:
-# id(group) -> (group, cause). An entry counts only while that group is still the default
-# (a re-created default group is a new object).
-_UNUSABLE: dict[int, tuple[Any, str]] = {}
+# Process groups left with an unfinished collective by a failed load or save, by group key:
+# key -> (group, cause). An entry counts only while that group object is still the one the
+# key names (a re-created default group is a new object).
+_UNUSABLE: dict[str, tuple[Any, str]] = {}
+
+WORLD = "world"
 
 
-def next_load_slot() -> int:
+def next_slot(operation: str, scope: str = WORLD) -> int:
+    """The number of this ``operation`` call (``load``, ``save``, ``transfer``) of this process
+    on the group ``scope`` names."""
+    counter = _COUNTS.get((operation, scope))
+    if counter is None:
+        counter = _COUNTS[(operation, scope)] = itertools.count()
+    return next(counter)
+
+
+def next_load_slot(scope: str = WORLD) -> int:
     """The number of this ``load`` call in this process (counted for every call)."""
-    return next(_LOADS)
+    return next_slot("load", scope)
+
+
+def scope_of(process_group: Any) -> str:
+    """The counting scope of a ``process_group=`` argument (``WORLD`` for None)."""
+    if process_group is None:
+        return WORLD
+    from dcp_platform import group_key
+
+    return group_key(process_group)
 
 
 def timeout_seconds(timeout: Any, what: str = "load", platform: Any = None) -> float:
     """``timeout=`` of ``what`` (``load``/``save``) as seconds (a ``timedelta`` or a positive
-    number). ``None``: the default process group's timeout (``platform.group_timeout()``),
+    number). ``None``: the process group's timeout (``platform.group_timeout()``),
     else ``DEFAULT_TIMEOUT``: a rank that never arrives is then named when the job's own
     collectives would have timed out, not after a fixed 10 minutes."""
     if timeout is None:
@@ -86,55 +107,77 @@ def timeout_seconds(timeout: Any, what: str = "load", platform: Any = None) -> f
     return float(seconds)
 
 
-def _default_group() -> Any:
+def _group_of(platform: Any) -> tuple[str, Any] | None:
+    """(key, group object) of the group ``platform`` works within, or None without one."""
+    if platform is None or not platform.is_distributed() or not hasattr(platform, "world_group"):
+        return None
+    try:
+        return getattr(platform, "group_key", WORLD), platform.world_group()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def unusable_cause(platform: Any) -> str | None:
+    """Why the group ``platform`` works within cannot run another load, or None."""
+    group = _group_of(platform)
+    entry = _UNUSABLE.get(group[0]) if group is not None else None
+    return entry[1] if entry is not None and entry[0] is group[1] else None
+
+
+def _mark_unusable(platform: Any, cause: str) -> None:
+    group = _group_of(platform)
+    if group is not None and unusable_cause(platform) is None:
+        _UNUSABLE[group[0]] = (group[1], cause)
+
+
+def _torch_platform(process_group: Any) -> Any:
+    """The torch platform of ``process_group`` (None: the default group), or None when
+    there is no group of more than one rank to tell."""
     try:
         import torch.distributed as dist
     except ImportError:
         return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return None
-    from torch.distributed import distributed_c10d as c10d
+    from dcp_platform import get_platform
 
-    return c10d._get_default_group()
-
-
-def unusable_cause() -> str | None:
-    """Why the current default process group cannot run another load, or None."""
-    group = _default_group()
-    entry = _UNUSABLE.get(id(group)) if group is not None else None
-    return entry[1] if entry is not None and entry[0] is group else None
+    platform = get_platform("torch", group=process_group)
+    return platform if platform.world_size() > 1 else None
 
 
-def _mark_unusable(cause: str) -> None:
-    group = _default_group()
-    if group is not None and unusable_cause() is None:
-        _UNUSABLE[id(group)] = (group, cause)
+def skip_slot(slot: int, cause: str, process_group: Any = None, operation: str = "load") -> None:
+    """Tell the ranks that make ``operation`` call ``slot`` with collectives that this rank
+    takes no part in it (``cause`` says why), within ``process_group`` (None: the default
+    group). Without a group of more than one rank, nothing. Store traffic: two operations;
+    when every rank skips the call (a ``no_dist`` load on every rank), the last one removes
+    both keys."""
+    from dcp_platform import Watch
 
-
-def skip_slot(slot: int, cause: str) -> None:
-    """Tell the ranks that make ``load`` call ``slot`` with collectives that this rank takes
-    no part in it (``cause`` says why). Without a default process group of more than one
-    rank, nothing. Store traffic: two operations; when every rank skips the call (a
-    ``no_dist`` load on every rank), the last one removes both keys."""
-    group = _default_group()
-    if group is None:
-        return
-    import torch.distributed as dist
-    from dcp_platform import Watch, get_platform
-
-    world = dist.get_world_size()
-    if world < 2:
-        return
-    name = f"dcp-load/{slot}"
+    name = f"dcp-{operation}/{slot}"
     try:
-        watch = Watch(get_platform("torch"), name)
-        watch.abort({watch.rank: [f"{cause} (load call {slot} of this process)"]})
-        store = watch.platform.store()
-        if store.add(f"{name}/skipped", 1) >= world:
+        platform = _torch_platform(process_group)
+        if platform is None:
+            return
+        watch = Watch(platform, name)
+        watch.abort({watch.rank: [f"{cause} ({operation} call {slot} of this process)"]})
+        store = platform.store()
+        if store.add(f"{name}/skipped", 1) >= platform.world_size():
             store.delete_key(f"{name}/abort")
             store.delete_key(f"{name}/skipped")
     except Exception as exc:  # noqa: BLE001 - the others still name this rank after their timeout
-        logger.warning("could not tell the other ranks that load call %d is skipped here: %r", slot, exc)
+        logger.warning("could not tell the other ranks that %s call %d is skipped here: %r", operation, slot, exc)
+
+
+def refused_together(operation: str, slot: int | None, process_group: Any, step: Any) -> Any:
+    """``step()``, the checks a rank makes alone before ``operation`` call ``slot`` (None: a
+    call without collectives); when it raises, the other ranks learn it at once
+    (``skip_slot``) and this rank's count stays theirs: the call counted."""
+    try:
+        return step()
+    except BaseException as exc:
+        if slot is not None:
+            skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}", process_group, operation)
+        raise
 
 
 class Coordinator:
@@ -148,12 +191,15 @@ class Coordinator:
         self.phase = "validate" if operation == "load" else operation
         self.watch: Any = None
         self._shared = False  # the error being raised is already known to every rank
+        self.scope = getattr(platform, "group_key", WORLD)
         if collective:
-            from dcp_platform import Watch
+            self.slot = next_slot(operation, self.scope) if slot is None else slot
+            self.watch = self._watch(self.slot)
 
-            if slot is None:
-                slot = next(_SAVES) if operation == "save" else next_load_slot()
-            self.watch = Watch(platform, f"dcp-{operation}/{slot}", stall_s=max(timeout, MIN_STALL_S))
+    def _watch(self, slot: int) -> Any:
+        from dcp_platform import Watch
+
+        return Watch(self.platform, f"dcp-{self.operation}/{slot}", stall_s=max(self.timeout, MIN_STALL_S))
 
     def __enter__(self) -> Coordinator:
         if self.watch is not None:
@@ -165,7 +211,7 @@ class Coordinator:
             return False
         if exc is not None and (self.watch.interrupted or (self.phase == "execute" and not self._shared)):
             # A collective may be left unfinished (module docstring).
-            _mark_unusable(f"{self.watch.name} failed in phase {self.phase!r} with a collective unfinished "
+            _mark_unusable(self.platform, f"{self.watch.name} failed in phase {self.phase!r} with a collective unfinished "
                            f"({type(exc).__name__}: {str(exc)[:200]})")
         try:
             if exc is not None and not self._shared and not self._is_peer(exc):
@@ -189,17 +235,27 @@ class Coordinator:
 
     def arrive(self) -> None:
         """Wait (at most ``timeout``) until every rank entered ``load``; raise at once when
-        an earlier failure left the process group unusable (module docstring)."""
+        an earlier failure left the process group unusable (module docstring).
+
+        A call whose slot the other ranks gave up on without this rank (their arrival timed
+        out naming it missing: they made one call more than this rank) is not this call's:
+        this rank takes the next slot, so that its count and theirs agree again."""
         if self.watch is None:
             return
-        cause = unusable_cause()
+        cause = unusable_cause(self.platform)
         if cause is not None:
             raise LoadError({self.watch.rank: [
-                f"the default process group may hold an unfinished collective: {cause}; destroy it and "
+                f"the process group may hold an unfinished collective: {cause}; destroy it and "
                 "create a new one (torch.distributed.destroy_process_group(), then "
                 f"init_process_group(...)) on every rank, or restart the job, before calling {self.operation} "
                 "again"]}, self.phase)
-        self.watch.arrive(self.timeout)
+        while not self.watch.arrive(self.timeout):
+            logger.info("rank %d: %s was given up by the other ranks before this rank arrived (they made one "
+                        "call more); this call takes the next one", self.watch.rank, self.watch.name)
+            self.watch.close(success=False)
+            self.slot = next_slot(self.operation, self.scope)
+            self.watch = self._watch(self.slot)
+            self.watch.__enter__()
 
     @property
     def waiter(self) -> Any:

@@ -19,13 +19,15 @@ from ..layouts._aliases import resolve_aliases
 from ..layouts._flat_target import check_overlaps
 from ..layouts._sources import SourceMap
 from ..layouts._state import Chunk, Flat, flatten_state_dict, is_tensor, unsupported_values
+from ..layouts._stateful import Resolved, hand_back
+from ..layouts._stateful import resolve as resolve_statefuls
 from ..layouts._target_for import target_for
 from ..layouts._targets import Target, in_mesh
 from ..plan._derived import checkpoint_digest, derived_plan, ensure_groups, settings_text
 from ..plan._digest import checkpoint_causes
 from ..plan._hosts import HOST_ID_ENV, host_id
 from ..plan._plan import BROADCASTABLE, VIEWS, Want, build_global_plan
-from ._coordinate import Coordinator, skip_slot, timeout_seconds
+from ._coordinate import Coordinator, scope_of, skip_slot, timeout_seconds
 from ._execute import execute
 from ._progress import Progress
 from ._report import LoadReport
@@ -67,22 +69,34 @@ def check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: Any, gro
                          f"got {batch_bytes!r}")
 
 
-def resolve_platform(platform: Any, leaves: Any) -> Any:
-    """The platform given (object or name), else chosen from $DCP_PLATFORM or the first tensor."""
-    from dcp_platform import Platform, get_platform
+def resolve_platform(platform: Any, leaves: Any, process_group: Any = None) -> Any:
+    """The platform given (object or name), else chosen from $DCP_PLATFORM or the first
+    tensor; with ``process_group``, the torch (or Ascend) platform over that group."""
+    from dcp_platform import Platform, get_platform, platform_name
 
     if isinstance(platform, Platform):
+        if process_group is not None and getattr(platform, "group_key", None) != scope_of(process_group):
+            raise ValueError(f"process_group= and platform={platform!r} name different groups; give "
+                             "process_group= alone (or a platform made with get_platform(..., group=that group))")
         return platform
-    if platform is not None:
-        return get_platform(platform)
-    for leaf in leaves:
-        if is_tensor(leaf.value):
-            value = leaf.value.tensor if isinstance(leaf.value, (Chunk, Flat)) else leaf.value
-            try:
-                return get_platform(tensor=value)
-            except ValueError:
-                break  # an unsupported tensor type: target_for reports it through the exchange
-    return get_platform(os.environ.get("DCP_PLATFORM") or "torch")
+    if platform is None:
+        platform = os.environ.get("DCP_PLATFORM") or None
+    if platform is None:
+        for leaf in leaves:
+            if is_tensor(leaf.value):
+                value = leaf.value.tensor if isinstance(leaf.value, (Chunk, Flat)) else leaf.value
+                try:
+                    platform = platform_name(tensor=value)
+                except ValueError:
+                    pass  # an unsupported tensor type: target_for reports it through the exchange
+                break
+    name = platform or "torch"
+    if process_group is None:
+        return get_platform(name)
+    if name not in ("torch", "ascend"):
+        raise ValueError(f"process_group= is a torch.distributed process group, which the {name!r} platform "
+                         "cannot use; drop process_group= (MindSpore: its communication groups are not supported)")
+    return get_platform(name, group=process_group)
 
 
 def want_flags(target: Target, caps: Any, broadcast: bool) -> int:
@@ -119,11 +133,12 @@ class Phases:
 
 def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
            use_collectives: bool, broadcast_replicated_tensors: Any, broadcast_groups: Any,
-           broadcast_batch_bytes: Any, platform: Any,
-           timeout: Any) -> tuple[Coordinator, Any, list[Any], list[str], Any]:
+           broadcast_batch_bytes: Any, platform: Any, timeout: Any,
+           process_group: Any = None) -> tuple[Coordinator, Any, list[Any], list[str], Any, Resolved]:
     """Check the arguments, choose the platform and decide whether this call is collective:
     the call's ``Coordinator`` (not entered), the platform, the state dict's leaves, the
-    problems to report through the first exchange and the parsed ``sources=``. A call without collectives in a job with a
+    problems to report through the first exchange, the parsed ``sources=`` and the state dict
+    with its Stateful objects resolved (``layouts/_stateful.py``). A call without collectives in a job with a
     process group tells the ranks that make this call collectively (``skip_slot``)."""
     check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
@@ -135,17 +150,18 @@ def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, stora
         source_map = SourceMap(sources) if sources is not None else None
     except (TypeError, ValueError) as exc:  # through the exchange: a stage's own sources= may be bad alone
         errors.append(f"{type(exc).__name__}: {exc}")
+    resolved = resolve_statefuls(state_dict, errors)
     try:
-        leaves = flatten_state_dict(state_dict)
+        leaves = flatten_state_dict(resolved.state)
     except (TypeError, ValueError) as exc:  # reported through the exchange, so no rank waits for this one
         leaves = []
         errors.append(f"{type(exc).__name__}: {exc}")
     try:
-        platform = resolve_platform(platform, leaves)
+        platform = resolve_platform(platform, leaves, process_group)
     except Exception as exc:
         # Reported through the exchange over torch.distributed when it runs, so that the
         # other ranks raise too instead of waiting for this one.
-        platform = fallback_platform(exc)
+        platform = fallback_platform(exc, process_group)
         errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
     check_launch(platform, no_dist, "load")
     # A hyper-parallel save without collectives left one {rank}.metadata per rank: each rank
@@ -158,10 +174,10 @@ def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, stora
         why = ("no_dist=True" if no_dist else "use_collectives=False" if not use_collectives
                else "a checkpoint saved per rank (rank-local metadata)" if rank_local else "no process group")
         skip_slot(slot, f"called load without collectives ({why}) while other ranks made this call with "
-                        "collectives; every rank must pass the same no_dist and use_collectives")
+                        "collectives; every rank must pass the same no_dist and use_collectives", process_group)
     coord = Coordinator(platform, collective=collective, timeout=timeout_seconds(timeout, platform=platform),
                         slot=slot)
-    return coord, platform, leaves, errors, source_map
+    return coord, platform, leaves, errors, source_map, resolved
 
 
 def gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants: list[Want],
@@ -185,17 +201,21 @@ def gather_wants(coord: Coordinator, errors: list[str], collective: bool, wants:
     return [w for w, _, _, _ in gathered_all], ([h for _, _, h, _ in gathered_all] if host is not None else None)
 
 
-def fallback_platform(exc: Exception) -> Any:
-    """The torch platform when torch.distributed runs (peers may wait on us), else re-raise."""
+def fallback_platform(exc: Exception, process_group: Any = None) -> Any:
+    """The torch platform (over ``process_group``, else the default group) when
+    torch.distributed runs (peers may wait on us), else re-raise ``exc``."""
     try:
         import torch.distributed as dist
     except ImportError:
         raise exc from None
-    if not (dist.is_available() and dist.is_initialized()):
+    if process_group is None and not (dist.is_available() and dist.is_initialized()):
         raise exc
     from dcp_platform import get_platform
 
-    return get_platform("torch")
+    try:
+        return get_platform("torch", group=process_group)
+    except Exception:  # noqa: BLE001 - not a group of this rank either: the original error stands
+        raise exc from None
 
 
 @dataclass
@@ -396,18 +416,27 @@ def validate_reads(coord: Coordinator, prep: Prepared, plan: Any, me: int, colle
 
 
 def finish(coord: Coordinator, prep: Prepared, plan: Any, stats: Any, got: Mapping[str, Any],
-           collective: bool, phases: Phases) -> tuple[int, int, int]:
+           collective: bool, phases: Phases, resolved: Resolved | None = None) -> tuple[int, int, int]:
     """Agree that every rank's execute succeeded, then put the values in place (the
-    ``finish`` phase); (bytes the job read, its unique bytes, bytes it fetched)."""
-    job_read, job_unique, job_fetched = coord.check(stats.errors, "execute", collective=collective,
+    ``finish`` phase); (bytes the job read, its unique bytes, bytes it fetched). Stateful
+    objects get their filled state before that agreement, once this rank's values are all
+    in place, so that a ``load_state_dict`` that raises fails every rank."""
+    errors = list(stats.errors)
+    early = resolved is not None and bool(resolved.objects) and not errors
+    if early:
+        for leaf in prep.values:
+            leaf.replace(got[leaf.name])
+        hand_back(resolved, errors)
+    job_read, job_unique, job_fetched = coord.check(errors, "execute", collective=collective,
                                                     sums=(stats.bytes_read, plan.unique_bytes, stats.bytes_fetched))
     # Every rank has finished its broadcasts once it joined that exchange, so the groups
     # close without the all-gather that GroupManager.close would otherwise make first.
     groups, prep.groups = prep.groups, None
     if groups is not None:
         groups.close(wait_for_peers=False)
-    for leaf in prep.values:
-        leaf.replace(got[leaf.name])
+    if not early:
+        for leaf in prep.values:
+            leaf.replace(got[leaf.name])
     phases.end("finish")
     return job_read, job_unique, job_fetched
 

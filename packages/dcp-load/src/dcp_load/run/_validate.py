@@ -123,6 +123,8 @@ def check_launch(platform: Any, no_dist: bool, caller: str) -> None:
     world = os.environ.get("WORLD_SIZE", "")
     if no_dist or not world.isdigit() or int(world) <= 1 or platform.is_distributed():
         return
+    if getattr(platform, "group_key", "world") != "world":
+        return  # a process group of one rank, given on purpose
     # no_dist=True makes every process save as rank 0 of 1: safe only into a directory of its own
     alone = ("pass no_dist=True to load this rank's tensors on their own" if caller == "load" else
              "pass no_dist=True and a checkpoint_id of this rank's own (for example "

@@ -3,8 +3,8 @@
 A training job saves the same state (the same names, boxes, dtypes and shapes on every
 rank) every few hundred steps, and each ``save`` gathered every rank's holdings to derive
 the layout (one writer per distinct box). The layout depends on nothing else, so every rank
-keeps the same list of the job's last ``REMEMBERED`` agreed layouts (``_REMEMBERED``, oldest
-first; every rank appends, reuses and drops entries alike, so positions match across
+keeps the same list of the job's last ``REMEMBERED`` agreed layouts (``_REMEMBERED``, one
+list per process group the saves run within, oldest first; every rank appends, reuses and drops entries alike, so positions match across
 ranks), and the next save first makes one fixed-size SUM all-reduce (``start``;
 ``async_save`` copies the boxes it wrote last time while the reduction runs). Each rank adds
 
@@ -58,7 +58,11 @@ class Agreed:
     tensors: dict[str, Any] | None  # rank 0: the tensor metadata it committed; else None
 
 
-_REMEMBERED: list[Agreed] = []
+_REMEMBERED: dict[str, list[Agreed]] = {}  # per process group (``Platform.group_key``)
+
+
+def _kept(scope: str) -> list[Agreed]:
+    return _REMEMBERED.setdefault(scope, [])
 
 
 def own_digest(holdings: list[Any], values: list[str]) -> int:
@@ -66,14 +70,15 @@ def own_digest(holdings: list[Any], values: list[str]) -> int:
 
 
 def remember(world: int, rank: int, gathered: list[Any], tensors: dict[str, Any], mine: list[Any],
-             save_id: str) -> None:
+             save_id: str, scope: str = "world") -> None:
     """Keep the layout of a save every rank agreed by a full exchange (``gathered``: every
     rank's payload ``(holdings, value names, save id, directory)``); every rank calls it."""
     whole = digest([([tuple(h) for h in hs], list(v)) for hs, v, *_ in gathered])
     entry = Agreed(world, rank, own_digest(*gathered[rank][:2]), whole, tuple(mine), len(tensors),
                    sum(t.nbytes for t in tensors.values()), save_id, tensors if rank == 0 else None)
     with _LOCK:
-        _REMEMBERED[:] = [e for e in _REMEMBERED if e.whole != whole][-(REMEMBERED - 1):] + [entry]
+        kept = _kept(scope)
+        kept[:] = [e for e in kept if e.whole != whole][-(REMEMBERED - 1):] + [entry]
 
 
 class Pending:
@@ -81,8 +86,8 @@ class Pending:
     newest layout it holds as it did (the others most likely do too), or None. Call
     ``result()`` exactly once, on failure too: the collective is in flight on every rank."""
 
-    def __init__(self, kept: list[Agreed], hits: list[bool], reduction: Any, world: int):
-        self._kept, self._reduction, self._world = kept, reduction, world
+    def __init__(self, kept: list[Agreed], hits: list[bool], reduction: Any, world: int, scope: str = "world"):
+        self._kept, self._reduction, self._world, self._scope = kept, reduction, world, scope
         self._missed: bool | None = None
         newest = max((k for k, hit in enumerate(hits) if hit), default=None)
         self.guess: list[Any] | None = None if newest is None else list(kept[newest].mine)
@@ -113,9 +118,10 @@ class Pending:
         at = 1 + REMEMBERED + 6 * (REMEMBERED + 1)
         new_id = format(sum(v << (_ID_CHUNK * k) for k, v in enumerate(sums[at:at + 3])), f"0{_SAVE_ID_HEX}x")
         with _LOCK:  # every rank moves the same entry to the newest place
-            if chosen in _REMEMBERED:
-                _REMEMBERED.remove(chosen)
-                _REMEMBERED.append(chosen)
+            kept = _kept(self._scope)
+            if chosen in kept:
+                kept.remove(chosen)
+                kept.append(chosen)
         return chosen, new_id
 
 
@@ -124,15 +130,16 @@ def start(platform: Any, watch: Any, *, world: int, rank: int, holdings: list[An
     """Begin the one all-reduce of the module docstring; the caller may copy ``guess``'s
     boxes meanwhile."""
     own = own_digest(holdings, values)
+    scope = getattr(platform, "group_key", "world")
     with _LOCK:
-        kept = list(_REMEMBERED)
+        kept = list(_kept(scope))
     hits = [not failed and e.world == world and e.rank == rank and e.own == own for e in kept]
     hits += [False] * (REMEMBERED - len(kept))
     wholes = [e.whole for e in kept] + [digest("none", rank, k) for k in range(len(kept), REMEMBERED)]
     sid = int(save_id, 16) if rank == 0 and save_id else 0
     ids = [(sid >> (_ID_CHUNK * k)) & ((1 << _ID_CHUNK) - 1) for k in range(3)]
     lanes = [int(failed), *map(int, hits), *equal_lanes([*wholes, digest(path)]), *ids]
-    return Pending(kept, hits, start_all_reduce(platform, lanes, "sum", watch), world)
+    return Pending(kept, hits, start_all_reduce(platform, lanes, "sum", watch), world, scope)
 
 
 def renamed(tensors: dict[str, Any], old_id: str, new_id: str) -> dict[str, Any]:

@@ -33,9 +33,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from .._errors import LoadError
-from ..run._coordinate import MIN_STALL_S, Coordinator
+from ..run._coordinate import MIN_STALL_S, Coordinator, refused_together
+from ..run._torch_args import save_arguments
+from ._future import SaveFuture
 from ._queue import InFlight, begin
-from ._save import PlannedSave, SaveReport, box_data, commit, plan_save, resolve_save, write_files
+from ._save import PlannedSave, SaveReport, box_data, commit, plan_save, resolve_save, save_slot, write_files
 from ._staging import POOL, StagingStopped
 
 __all__ = ["POLL_MAX_S", "async_save"]
@@ -56,6 +58,12 @@ def async_save(
     allow_pickle: bool = False,
     platform: Any = None,
     timeout: Any = None,
+    process_group: Any = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    async_checkpointer_type: Any = None,
+    async_stager: Any = None,
+    use_collectives: bool = True,
 ) -> Future[SaveReport]:
     """``save``, returning once every value it writes is copied: a ``Future`` whose
     ``result()`` is this rank's ``SaveReport``, or raises the ``LoadError`` that names every
@@ -67,17 +75,23 @@ def async_save(
     ``save``. A call waits first for this process's previous ``async_save`` to finish, so
     one process's saves run in call order and at most one copy is staged (``release_staging``
     frees it). Call ``result()`` before destroying the process group: the commit needs its
-    store.
+    store. ``process_group``: as for ``save``; the commit goes through that group's store.
+    torch DCP's ``storage_writer``, ``planner`` and ``use_collectives`` are taken as by
+    ``save``; ``async_checkpointer_type`` and ``async_stager`` are accepted and stand for what
+    dcp does instead (a thread writes; only the boxes this rank writes are staged, into a
+    reused pool). The future also has torch's ``staging_completion`` (done at return) and
+    ``upload_completion`` (itself).
     """
+    del async_checkpointer_type, async_stager  # README "Coming from torch.distributed.checkpoint"
     start = time.perf_counter()
-    path, leaves, platform, wait_s, collective = resolve_save(state_dict, checkpoint_id, no_dist, platform, timeout,
-                                                              "async_save")
-    if collective and platform.store() is None:
-        raise ValueError(f"async_save: the {platform!r} platform has no key-value store, which the background "
-                         "commit coordinates through (it keeps off the training loop's communicators); use save")
+    slot = save_slot(no_dist, process_group)
+    path, leaves, platform, wait_s, collective = refused_together("save", slot, process_group, lambda: _resolve(
+        state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist, "async_save"),
+        no_dist, platform, timeout, process_group))
     inflight, _ = begin(path)  # the wait counts in blocked_seconds
     try:
-        future, job = _snapshot(platform, collective, wait_s, leaves, path, allow_pickle, no_dist, start, inflight)
+        future, job = _snapshot(platform, collective, wait_s, leaves, path, allow_pickle, no_dist, start, inflight,
+                                slot)
     except BaseException:
         inflight.done.set()
         raise
@@ -88,12 +102,23 @@ def async_save(
     return future
 
 
+def _resolve(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: bool, platform: Any, timeout: Any,
+             process_group: Any) -> tuple[str, list[Any], Any, float, bool]:
+    """``resolve_save`` for ``async_save``, which needs a store to commit through."""
+    out = resolve_save(state_dict, checkpoint_id, no_dist, platform, timeout, "async_save", process_group)
+    if out[4] and out[2].store() is None:
+        raise ValueError(f"async_save: the {out[2]!r} platform has no key-value store, which the background "
+                         "commit coordinates through (it keeps off the training loop's communicators); use save")
+    return out
+
+
 def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any], path: str, allow_pickle: bool,
-              no_dist: bool, start: float, inflight: InFlight
+              no_dist: bool, start: float, inflight: InFlight, slot: int | None
               ) -> tuple[Future[SaveReport], Callable[[], None]]:
     """The caller's part: checks, exchange, copies. Returns the future and its job."""
     with contextlib.ExitStack() as stack:
-        coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save"))
+        coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save",
+                                                slot=slot))
         coord.arrive()
         planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist)
         if planned.me == 0:
@@ -115,7 +140,7 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
             logger.info("async_save %s into %s: staged %d bytes in %.3f s; writing in the background",
                         planned.save_id, path, nbytes, timings["staging_seconds"])
         background = stack.pop_all()
-    future: Future[SaveReport] = Future()
+    future = SaveFuture(path)
     future.set_running_or_notify_cancel()
 
     def job() -> None:
@@ -202,7 +227,8 @@ def _background(coord: Coordinator, stack: contextlib.ExitStack, planned: Planne
     else:
         if not isinstance(outcome, LoadError):
             outcome = _as_load_error(planned.rank, outcome)
-        logger.info("async_save %s into %s: failed: %s", planned.save_id, planned.path, str(outcome)[:300])
+        logger.warning("async_save %s into %s: failed (the checkpoint before it stays committed): %s",
+                       planned.save_id, planned.path, str(outcome)[:300])
         future.set_exception(outcome)
 
 
@@ -233,7 +259,9 @@ def _finish(coord: Coordinator, planned: PlannedSave, errors: list[str], files: 
 
 def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[str], value_meta: dict[str, Any],
                          wait_s: float) -> dict[int, list[str]]:
-    store, watch, world = planned.platform.store(), coord.watch, planned.world
+    # The store the watch was made with, not the platform's now: the caller may destroy
+    # the process group before the commit (the store stays alive while referenced).
+    store, watch, world = coord.watch.store, coord.watch, planned.world
     base = f"{watch.name}/fin"
     mine = f"{base}/w/{planned.me}"
     store.set(mine, pickle.dumps(list(errors)))

@@ -33,16 +33,19 @@ from .._errors import LoadError
 from .._load import resolve_platform
 from ..layouts._flat_target import check_overlaps
 from ..layouts._state import flatten_state_dict, is_tensor
+from ..layouts._stateful import resolve as resolve_statefuls
 from ..layouts._target_for import target_for
 from ..layouts._targets import in_mesh
 from ..plan._items import GreedyPlanner, ReadItem
-from ..run._coordinate import Coordinator, timeout_seconds
+from ..run._coordinate import Coordinator, next_slot, refused_together, scope_of, timeout_seconds
 from ..run._shared_open import local_storage
+from ..run._torch_args import save_arguments
 from ..run._validate import check_launch, exchange, summarise
 from . import _agreed as agreed
 from ._queue import wait_for_previous
 
-__all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "tidy", "write_files"]
+__all__ = ["PlannedSave", "SaveReport", "commit", "plan_save", "resolve_save", "save", "save_slot", "tidy",
+           "write_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,10 @@ def save(
     allow_pickle: bool = False,
     platform: Any = None,
     timeout: Any = None,
+    process_group: Any = None,
+    storage_writer: Any = None,
+    planner: Any = None,
+    use_collectives: bool = True,
 ) -> SaveReport:
     """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format.
 
@@ -140,12 +147,19 @@ def save(
     naming it (within about 15 s for a dead rank) instead of waiting in the next exchange.
 
     An ``async_save`` of this process still writing is waited for first: saves of one
-    process run in call order.
+    process run in call order. ``process_group``: the torch.distributed group to save
+    within (default: the default group); its rank 0 writes the metadata, ranks outside it
+    do not call. A rank whose arguments are refused here tells the others at once.
+    ``storage_writer``, ``planner``, ``use_collectives``: torch DCP's, as README "Coming from
+    torch.distributed.checkpoint" says (the directory of torch's ``FileSystemWriter``...).
     """
     start = time.perf_counter()
-    path, leaves, platform, wait_s, collective = resolve_save(state_dict, checkpoint_id, no_dist, platform, timeout)
+    slot = save_slot(no_dist, process_group)
+    path, leaves, platform, wait_s, collective = refused_together("save", slot, process_group, lambda: resolve_save(
+        state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist, "save"),
+        no_dist, platform, timeout, process_group=process_group))
     wait_for_previous("save", path)
-    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save") as coord:
+    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save", slot=slot) as coord:
         coord.arrive()
         planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist)
         try:
@@ -154,8 +168,14 @@ def save(
             planned.release_lock()
 
 
+def save_slot(no_dist: bool, process_group: Any) -> int | None:
+    """The number of this collective save of the process on its group (None with ``no_dist``:
+    a save on some ranks only, say rank 0 alone, must not shift the count)."""
+    return None if no_dist else next_slot("save", scope_of(process_group))
+
+
 def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: bool, platform: Any,
-                 timeout: Any, what: str = "save") -> tuple[str, list[Any], Any, float, bool]:
+                 timeout: Any, what: str = "save", process_group: Any = None) -> tuple[str, list[Any], Any, float, bool]:
     """(directory, leaves, platform, timeout in seconds, collective) of a ``save`` call;
     its argument errors raise here, before any rank waits for another."""
     if checkpoint_id is None:
@@ -168,8 +188,12 @@ def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: boo
     # else s3://bucket/prefix, spelled one way on every rank (no trailing slash), as a local
     # path is made absolute: ranks that write "s3://b/ck/" and "s3://b/ck" name one prefix
     path = os.path.abspath(path) if local_storage(path) else real_root(path)
-    leaves = flatten_state_dict(state_dict)
-    platform = resolve_platform(platform, leaves)
+    refused: list[str] = []
+    resolved = resolve_statefuls(state_dict, refused)  # Stateful objects: their state_dict()
+    if refused:
+        raise ValueError(f"{what}: " + "; ".join(refused))
+    leaves = flatten_state_dict(resolved.state)
+    platform = resolve_platform(platform, leaves, process_group)
     wait_s = timeout_seconds(timeout, what, platform)
     check_launch(platform, no_dist, what)
     return path, leaves, platform, wait_s, not no_dist and platform.is_distributed()
@@ -269,7 +293,7 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
             early = _while(pending, while_agreeing, targets)
             remembered = pending.result()
         planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path), errors, world,
-                           me)
+                           me, getattr(platform, "group_key", "world"))
     except BaseException:
         if lock is not None:
             lock.release()
@@ -293,7 +317,7 @@ def _while(pending: Any, while_agreeing: Any, targets: dict[str, Any]) -> Any:
 
 
 def _planned(coord: Coordinator, collective: bool, remembered: tuple[Any, str] | None, payload: tuple[Any, ...],
-             errors: list[str], world: int, me: int
+             errors: list[str], world: int, me: int, scope: str
              ) -> tuple[dict[str, Any], list[ReadItem], str, tuple[int, int]]:
     """(tensors, this rank's items, save id, (tensors, job bytes)) of the remembered layout
     every rank agreed (its checks passed when it was made), or of a full exchange (a first
@@ -311,7 +335,7 @@ def _planned(coord: Coordinator, collective: bool, remembered: tuple[Any, str] |
         raise LoadError(failures, "save")
     mine = per_rank.get(me, [])
     if collective:
-        agreed.remember(world, me, gathered, tensors, mine, save_id)
+        agreed.remember(world, me, gathered, tensors, mine, save_id, scope)
     return tensors, mine, save_id, (len(tensors), sum(t.nbytes for t in tensors.values()))
 
 

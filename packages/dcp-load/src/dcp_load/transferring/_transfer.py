@@ -10,7 +10,6 @@ before the data moves, and a changed layout on any rank is planned anew on every
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -25,7 +24,14 @@ from .._load import DEFAULT_BATCH_BYTES, fallback_platform, resolve_platform
 from ..layouts._sources import SourceMap
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce, digest
-from ..run._coordinate import Coordinator, timeout_seconds, unusable_cause
+from ..run._coordinate import (
+    Coordinator,
+    next_slot,
+    refused_together,
+    scope_of,
+    timeout_seconds,
+    unusable_cause,
+)
 from ..run._validate import exchange
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, lazily, mine, move, prepare
@@ -42,8 +48,6 @@ MAX_IN_FLIGHT = 8
 #: reference model's weights keeps both); the oldest is dropped, with its groups.
 MAX_PLANS = 4
 
-# Every call counts, so that the n-th transfer of every rank shares one watch name.
-_SLOTS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -102,20 +106,31 @@ class _Entry:
 _PLANS: OrderedDict[int, _Entry] = OrderedDict()
 
 
-def _default_group() -> Any:
+def _group_object(platform: Any) -> Any:
+    """The group object ``platform``'s collectives run within (the default group for the
+    world), or None without one."""
     try:
-        import torch.distributed as dist
-    except ImportError:
+        return platform.world_group() if platform.is_distributed() else None
+    except (RuntimeError, NotImplementedError):
         return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.distributed_c10d._get_default_group()
+
+
+def _alive(group: Any) -> bool:
+    """Whether ``group`` may still carry broadcasts: registered with torch.distributed (a
+    destroyed group is not), or a group dcp-platform joined (alive while referenced)."""
+    if group is None:
+        return False
+    if getattr(group, "dcp_group_key", None) is not None:
+        return True
+    from dcp_platform._scope import registered
+
+    return registered(group)
 
 
 def _drop(entry: _Entry) -> None:
     # Every rank drops the same plans at the same call (their caches follow one agreed
     # sequence), after every broadcast on these groups has completed (the final check).
-    if entry.world is _default_group():
+    if _alive(entry.world):
         entry.groups.close(wait_for_peers=False, raise_errors=False)
 
 
@@ -144,6 +159,7 @@ def transfer(
     platform: Any = None,
     timeout: Any = None,
     keep_plan: bool = True,
+    process_group: Any = None,
 ) -> TransferReport:
     """Fill ``dst`` in place with the values that the ranks' ``src`` hold; call on every rank.
 
@@ -166,10 +182,14 @@ def transfer(
 
     Every problem (a destination no rank holds, shapes that differ, a cast refused, ranks
     passing different settings) raises ``LoadError`` on every rank before any destination
-    is written. Returns this rank's ``TransferReport``.
+    is written. ``process_group``: the torch.distributed group to transfer within (default:
+    the default group; plans and groups are kept per group); ranks outside it do not call.
+    Every call counts, so that the n-th transfer of every rank shares one name: a rank whose
+    arguments are refused here tells the others at once. Returns this rank's ``TransferReport``.
     """
-    _check_arguments(batch_bytes, max_in_flight, timeout)
-    slot = next(_SLOTS)
+    slot = next_slot("transfer", scope_of(process_group))
+    refused_together("transfer", slot, process_group,
+                     lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
     start = time.perf_counter()
     src_side, dst_side = side_of("src", src), side_of("dst", dst)
     errors: list[str] = []
@@ -180,9 +200,9 @@ def transfer(
         except (TypeError, ValueError) as exc:  # through the exchange: every rank raises
             errors.append(f"{type(exc).__name__}: {exc}")
     try:
-        platform = resolve_platform(platform, [*src_side.leaves, *dst_side.leaves])
+        platform = resolve_platform(platform, [*src_side.leaves, *dst_side.leaves], process_group)
     except Exception as exc:  # noqa: BLE001 - reported through the exchange, so no rank waits for this one
-        platform = fallback_platform(exc)
+        platform = fallback_platform(exc, process_group)
         errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
     collective = platform.is_distributed()
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
@@ -204,7 +224,7 @@ def _agree(coord: Coordinator, platform: Any, collective: bool, key: int, failed
     (one all-reduce: the MAX of the plan digests and of their negations must both equal
     each rank's own), else None (every rank alike)."""
     entry = _PLANS.get(key)
-    if entry is not None and entry.world is not _default_group():
+    if entry is not None and entry.world is not _group_object(platform):
         del _PLANS[key]  # made over a process group that was destroyed since
         entry = None
     miss = entry is None or failed
@@ -242,7 +262,7 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
         raise LoadError(plan.errors, "validate")  # not reached: every rank has the same errors
     return _Entry(job=digest(tuple(g[2] for g in gathered)), plan=plan, src=src.targets, dst=dst.targets,
                   rounds=mine(plan, me, caps.subgroups), groups=GroupManager(platform, watch=coord.waiter),
-                  world=_default_group(), outside=(*src.outside, *dst.outside),
+                  world=_group_object(platform), outside=(*src.outside, *dst.outside),
                   sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
 
 
@@ -287,8 +307,8 @@ def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
               settings: tuple[Any, ...], source_map: SourceMap | None, *, keep_plan: bool,
               start: float) -> TransferReport:
     """``transfer`` once every rank arrived: agree on a kept plan or plan anew, move, check."""
-    key = digest(signature(src), signature(dst), settings)
-    entry = _agree(coord, platform, collective, key, bool(errors) or unusable_cause() is not None)
+    key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"))
+    entry = _agree(coord, platform, collective, key, bool(errors) or unusable_cause(platform) is not None)
     reused = entry is not None
     control = int(collective)
     if entry is None:

@@ -1,0 +1,94 @@
+"""A stand-in for ``torch.distributed.checkpoint`` in an existing import.
+
+Code written for torch DCP switches by changing one import::
+
+    import dcp_load.torch_compat as dcp        # was: import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict, checkpoint_id=path, process_group=pg)
+    future = dcp.async_save(state_dict, storage_writer=dcp.FileSystemWriter(path),
+                            async_checkpointer_type=dcp.state_dict_saver.AsyncCheckpointerType.PROCESS)
+    dcp.load(state_dict, storage_reader=dcp.HuggingFaceStorageReader(hf_dir))
+
+``save``, ``async_save`` and ``load`` take torch DCP's arguments with torch's meaning
+(``storage_reader``/``storage_writer``, ``planner``, ``process_group``, ``no_dist``,
+``use_collectives``, ``async_checkpointer_type``, ``async_stager``) and Stateful values, and
+run dcp's ``save``/``async_save``/``load`` (README, "Coming from
+torch.distributed.checkpoint"). ``state_dict_saver`` and ``state_dict_loader`` hold the
+same functions under torch's module names. Every other name (``FileSystemReader``,
+``DefaultLoadPlanner``, ``Metadata``, ``stateful``...) is torch DCP's own, looked up there on
+first use, so torch is imported only when this module is.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from ._load import load as _load
+from .saving._async import async_save as _async_save
+from .saving._save import save as _save
+
+__all__ = ["async_save", "load", "save", "state_dict_loader", "state_dict_saver"]
+
+_PathLike = str | os.PathLike[str] | None
+
+
+def save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None, storage_writer: Any = None,
+         planner: Any = None, process_group: Any = None, no_dist: bool = False,
+         use_collectives: bool = True) -> Any:
+    """torch DCP's ``save``: dcp's ``save`` (native format); returns its ``SaveReport``
+    (torch returns the checkpoint's ``Metadata``, which callers rarely use)."""
+    return _save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                 process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
+
+
+def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None, storage_writer: Any = None,
+               planner: Any = None, process_group: Any = None, async_checkpointer_type: Any = None,
+               async_stager: Any = None, no_dist: bool = False, use_collectives: bool = True) -> Any:
+    """torch DCP's ``async_save``: dcp's ``async_save``, whose future also has torch's
+    ``staging_completion`` and ``upload_completion``."""
+    return _async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                       process_group=process_group, async_checkpointer_type=async_checkpointer_type,
+                       async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives)
+
+
+def load(state_dict: dict[str, Any], *, checkpoint_id: _PathLike = None, storage_reader: Any = None,
+         planner: Any = None, process_group: Any = None, no_dist: bool = False) -> None:
+    """torch DCP's ``load``: dcp's ``load`` fills ``state_dict`` in place (and calls each
+    Stateful's ``load_state_dict``); returns None, as torch's does."""
+    _load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
+          process_group=process_group, no_dist=no_dist)
+
+
+def _torch_module(name: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"torch.distributed.checkpoint.{name}")
+
+
+class _Namespace(types.ModuleType):
+    """torch's ``state_dict_saver`` / ``state_dict_loader`` with dcp's functions in front."""
+
+    def __init__(self, name: str, **functions: Any):
+        super().__init__(f"{__name__}.{name}")
+        self._torch_name = name
+        self.__dict__.update(functions)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(_torch_module(self._torch_name), attr)
+
+
+state_dict_saver = _Namespace("state_dict_saver", save=save, async_save=async_save)
+state_dict_loader = _Namespace("state_dict_loader", load=load)
+
+
+def __getattr__(name: str) -> Any:
+    import torch.distributed.checkpoint as tdcp
+
+    try:
+        return getattr(tdcp, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor has "
+                             "torch.distributed.checkpoint)") from None
