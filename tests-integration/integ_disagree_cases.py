@@ -89,7 +89,7 @@ def pairing_cases(rank: int, world: int, ck: dict[str, str]) -> dict[str, Any]:
     from dcp_load.run import _coordinate
     from torch.distributed import distributed_c10d as c10d
 
-    slot = int(repr(_coordinate._LOADS)[len("count("):-1])  # the number the next call takes
+    slot = _coordinate.peek_slot("load")  # the number the next call takes
     res["all_no_dist"] = _case(ck["a"], "a", no_dist=True)
     dist.barrier()
     res["all_no_dist"]["keys_left"] = [k for k in (f"dcp-load/{slot}/abort", f"dcp-load/{slot}/skipped")

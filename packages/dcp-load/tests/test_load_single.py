@@ -132,7 +132,6 @@ def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({}, "give checkpoint_id= .* or storage_reader="),
-    ({"checkpoint_id": "x", "storage_reader": object()}, "not both"),
     ({"checkpoint_id": "x", "broadcast_groups": {}, "broadcast_replicated_tensors": False},
      "drop broadcast_groups or set broadcast_replicated_tensors=True"),
     ({"checkpoint_id": "x", "broadcast_groups": {}, "no_dist": True}, "has no effect with no_dist"),
@@ -146,6 +145,15 @@ def test_missing_and_truncated_files_fail_before_writing(native, tmp_path):
 def test_argument_errors_say_what_to_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         dcp_load.load({"w": torch.zeros(1)}, **kwargs)
+
+
+def test_a_storage_reader_of_an_unknown_class_is_named(native):
+    with pytest.raises(TypeError, match="storage_reader= of class builtins.object cannot be served"):
+        dcp_load.load({"w": torch.zeros(1)}, checkpoint_id="x", storage_reader=object())
+    from dcp_reader import open_checkpoint
+
+    with open_checkpoint(native) as reader, pytest.raises(ValueError, match="not both"):
+        dcp_load.load({"w": torch.zeros(1)}, checkpoint_id=native, storage_reader=reader)
 
 
 def test_keywords_are_keyword_only():

@@ -119,6 +119,10 @@ class DeviceCopies:
     def _copy(self, dst: Any, src: Any) -> None:
         dst.copy_(src, non_blocking=True)
 
+    def _kernel(self, dst: Any, src: Any) -> None:
+        """A device-to-device copy on the current stream (a cast and/or a strided write)."""
+        dst.copy_(src)
+
     def wait_event(self, event: Any) -> None:
         """The host waits until ``event`` fired."""
         event.synchronize()
@@ -181,22 +185,22 @@ class DeviceCopies:
 
     def to_device(self, dst: Any, src: Any, staging: Any = None) -> Any:
         """Queue the copy of the pinned host tensor ``src`` into the device tensor ``dst``
-        on the copy stream; the event that fires once ``src`` may be rewritten.
+        on the copy stream; the event that fires once ``dst`` holds the values (and
+        ``src`` may be rewritten).
 
         A ``dst`` of another dtype, or a strided one, is reached through ``staging`` (a
         contiguous device tensor of ``src``'s dtype and shape, made here when ``None``):
-        the cast and the strided write run on the device after the transfer."""
+        the cast and the strided write run on the device after the transfer, before the
+        event (a broadcast ordered after the event reads the written ``dst``)."""
         with self._on(self.stream):
-            direct = dst.dtype == src.dtype and dst.is_contiguous()
-            if direct:
+            if dst.dtype == src.dtype and dst.is_contiguous():
                 self._copy(dst, src)
             else:
                 tmp = self.empty(src.shape, src.dtype) if staging is None else staging
                 self._copy(tmp, src)
+                self._kernel(dst, tmp)  # a device kernel on the copy stream: cast and/or strided write
             event = self._new_event()
             event.record(self.stream)
-            if not direct:
-                dst.copy_(tmp)  # a device kernel on the copy stream: cast and/or strided write
         return event
 
     def to_host(self, dst: Any, src: Any) -> Any:

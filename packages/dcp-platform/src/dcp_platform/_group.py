@@ -75,8 +75,13 @@ class GroupView:
 
     def __init__(self, pg: Any, timeout: timedelta, *, store: Any = None, key: str | None = None,
                  global_ranks: Sequence[int | None] | None = None):
-        if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER or not callable(getattr(pg, "rank", None)):
-            raise ValueError(f"process_group={pg!r} is not a process group of this rank: pass the group object "
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:
+            me = dist.get_rank() if dist.is_initialized() else "?"
+            raise ValueError(f"process_group: this process (global rank {me}) is not a member of the group "
+                             "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here); only the "
+                             "group's members call with process_group=")
+        if pg is None or not callable(getattr(pg, "rank", None)):
+            raise ValueError(f"process_group={pg!r} is not a process group: pass the group object "
                              "torch.distributed.new_group returned on a member, or None for the default group")
         self.pg, self.timeout = pg, timeout
         registered = _registered(pg)

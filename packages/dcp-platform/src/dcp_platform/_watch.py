@@ -49,6 +49,7 @@ Without a store (MindSpore) nothing is bounded: waits block as the backend does.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -224,27 +225,23 @@ class Watch:
             logger.debug("rank %d: watch %s: store error %r", self.rank, self.name, exc)
 
     # -- bounded waits --------------------------------------------------------------------
-    def arrive(self, timeout: float) -> bool:
-        """Store barrier: return True once every rank arrived; ``PeerFailure`` after ``timeout`` s.
+    def arrive(self, timeout: float) -> None:
+        """Store barrier: return once every rank arrived; ``PeerFailure`` after ``timeout`` s.
 
         On expiry the ranks missing are named in the abort key (and listed under
-        ``<name>/missing``); a rank arriving after an abort raises that abort at once, except
-        a rank the expiry named missing: the others gave up on this operation without it,
-        so it was never this rank's (they called once more than it did), and ``arrive``
-        returns False at once (the caller moves on to its next operation's name).
+        ``<name>/missing``, see ``left_behind``); a rank arriving after an abort raises that
+        abort at once.
         """
         if self._store is None:
-            return True
+            return
         cause = self._read_abort()
         if cause is not None:
-            if self.rank in self._missing():
-                return False
             self._set_cause(cause)
             self.check()
         if self._store.add(self._key("arrived"), 1) >= self.world:
             self._store.set(self._key("all"), "1")  # the last rank: no need to read it back
             self._arrived.set()
-            return True
+            return
         end = time.monotonic() + timeout
         pause = first_pause(self.world)
         while not self._store.check([self._key("all")]):
@@ -258,19 +255,21 @@ class Watch:
             time.sleep(min(pause, max(0.0, end - now)))
             pause = min(2 * pause, POLL_MAX_S)
         self._arrived.set()
-        return True
 
-    def _missing(self) -> list[int]:
-        """The ranks an expired arrival named missing (``_name_missing``), or []."""
+    def left_behind(self) -> bool:
+        """Whether an expired arrival of this operation named this rank missing: the others
+        gave up on it without this rank (it came late, or they made one call more)."""
+        if self._store is None:
+            return False
         key = self._key("missing")
-        return list(pickle.loads(self._store.get(key))) if self._store.check([key]) else []
+        return bool(self._store.check([key])) and self.rank in json.loads(self._store.get(key))
 
     def _name_missing(self, timeout: float) -> None:
         """After the arrival timeout: one rank lists who is missing (one store check per
         rank, on this error path only); the others wait for its abort, then raise it."""
         if self._store.add(self._key("expired"), 1) == 1:
             missing = [r for r in range(self.world) if not self._store.check([self._key("hb", r)])]
-            self._store.set(self._key("missing"), pickle.dumps(missing))
+            self._store.set(self._key("missing"), json.dumps(missing))
             self.abort({r: (f"did not reach {self.name.split('/')[0]} within {timeout:g} s of "
                             f"the first rank (ranks arrived: {self.world - len(missing)} of "
                             f"{self.world})",) for r in missing})

@@ -3,35 +3,53 @@
 ``FakeAccelerator`` stands in for a torch device module behind ``DeviceCopies``:
 
 * device memory is host memory: ``empty``/``to_device`` give CPU tensors that this fake
-  registers as "device" memory (``owns``); its pinned host buffers are registered too;
-* each copy stream is a worker thread that runs its queue in order: a copy sleeps a random
-  delay (up to ``max_delay_s``) and only then does the memcpy, and an event fires after
-  the work queued before it. A pinned buffer rewritten before its copy ran therefore
-  corrupts the destination, and is also recorded: the copy compares its source with a
-  snapshot taken when it was queued;
+  registers as "device" memory (``owns``); its pinned host buffers are registered too.
+  Both are poisoned when allocated (every byte 0xFF: NaN in floating dtypes, -1 in
+  integers), so bytes no copy has written yet never look like data;
+* each copy stream is a worker thread that runs its queue in order, and it runs an
+  operation (a host-to-device or device-to-host copy, a cast kernel, an event firing)
+  **late by construction**: only once something waits for it, that is, the host waits on
+  an event recorded after it (``Event.synchronize``, or the current stream's
+  ``wait_event``, which is the host here), the stream is synchronized, or another stream
+  reaches a wait on such an event; else ``hold_s`` seconds after it was queued (``None``:
+  never; then ``close`` runs what is left). Before each operation the worker also sleeps
+  a seeded random delay of at most ``max_delay_s``. A consumer that reads a copy's
+  destination without waiting for its event therefore reads the poison (or the stale
+  values it had), a pinned buffer rewritten before its copy ran is what the copy then
+  moves, and a device tensor changed right after a device-to-host copy was queued without
+  a wait is copied with its new values: a missing wait shows as a wrong value, not by a
+  race that timing may win;
 * the caller's current stream is the host itself (gloo's broadcasts and a test's writes
-  happen at once): waiting on an event there blocks until it fired.
+  happen at once, and ``begin`` has nothing to order after): waiting on an event there
+  blocks until it fired. The platform's own ``synchronize`` is the gloo/CPU one, which
+  does not drain the copy streams (as for device tensors under a gloo process group).
 
-What it checks is in ``violations`` (a copy from pageable memory, a pinned buffer
-rewritten before its copy ran, a host read of an event that never fired), and what it
-saw in counters: ``copies``, ``stream_syncs`` (``finish``: once per load), ``event_waits``
-(a buffer's own copy), ``log`` (the order of queued, run and fired operations).
+What it checks is in ``violations`` (a copy from pageable memory, a copy source rewritten
+before the copy ran, a wait for an event that never fired), and what it saw in counters:
+``copies``, ``stream_syncs`` (``finish``: once per load), ``event_waits`` (host waits on
+one event), ``log`` (the order of queued, run and fired operations).
 
 ``platform()`` gives a ``TorchPlatform`` (gloo, CPU) whose ``device_copies`` is this fake.
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._device import DeviceCopies
 
-__all__ = ["FakeAccelerator", "FakeCopies", "FakeEvent", "FakeStream"]
+__all__ = ["POISON_BYTE", "FakeAccelerator", "FakeCopies", "FakeEvent", "FakeStream"]
+
+#: The byte every new "device" tensor and pinned buffer of the fake is filled with.
+POISON_BYTE = 0xFF
+
+_FAKES = itertools.count()  # a key per fake for the pinned caches (ids of dead fakes recur)
 
 
 class FakeEvent:
@@ -41,59 +59,97 @@ class FakeEvent:
         self._fake = fake
         self._fired = threading.Event()
         self._fired.set()  # an event never recorded has nothing to wait for
+        self._stream: FakeStream | None = None
+        self._seq = -1
         self.name = f"e{next(fake._ids)}"
 
     def record(self, stream: FakeStream) -> None:
         self._fired.clear()
-        stream._put(self._fire, f"fire {self.name}")
-
-    def _fire(self) -> None:
-        self._fired.set()
+        self._stream = stream
+        self._seq = stream._put(self._fired.set, f"fire {self.name}")
 
     def query(self) -> bool:
+        """Whether it fired (asking does not make the stream run)."""
         return self._fired.is_set()
+
+    def _wait(self) -> bool:
+        """Make its stream run up to it and wait for it to fire (bounded by ``timeout_s``)."""
+        if self._stream is not None and not self._fired.is_set():
+            self._stream._release(self._seq)
+        return self._fired.wait(self._fake.timeout_s)
 
     def synchronize(self) -> None:
         self._fake.event_waits += 1
-        if not self._fired.wait(self._fake.timeout_s):
+        if not self._wait():
             self._fake.violation(f"event {self.name} did not fire within {self._fake.timeout_s} s")
 
 
 class FakeStream:
-    """A copy stream: one worker thread running its queue in order."""
+    """A copy stream: one worker thread running its queue in order, each operation only
+    once it is waited for or ``hold_s`` after it was queued (module docstring)."""
 
     def __init__(self, fake: FakeAccelerator, name: str):
         self._fake, self.name = fake, name
-        self._queue: queue.Queue[tuple[Callable[[], None], str] | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._pending = 0
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        # (seq, op, what, queued at, delay before it)
+        self._queue: deque[tuple[int, Callable[[], None], str, float, float]] = deque()
+        self._seq = -1  # the last operation queued
+        self._done = -1  # the last operation run
+        self._released = -1  # operations up to this one may run now
+        self._closing = False
         self._thread = threading.Thread(target=self._work, name=f"fake-{name}", daemon=True)
         self._thread.start()
 
-    def _put(self, op: Callable[[], None], what: str) -> None:
-        with self._lock:
-            self._pending += 1
-            self._idle.clear()
+    def _put(self, op: Callable[[], None], what: str) -> int:
+        delay = self._fake._delay()
+        with self._cond:
+            self._seq += 1
+            seq = self._seq
+            self._queue.append((seq, op, what, time.monotonic(), delay))
+            self._cond.notify_all()
         self._fake._note(f"queue {self.name}: {what}")
-        self._queue.put((op, what))
+        return seq
+
+    def _release(self, seq: int) -> None:
+        """Let every operation up to ``seq`` run (something waits for it)."""
+        with self._cond:
+            if seq > self._released:
+                self._released = seq
+                self._cond.notify_all()
+
+    def _next(self) -> tuple[int, Callable[[], None], str, float] | None:
+        """The next operation once it may run; None once closed and drained."""
+        hold = self._fake.hold_s
+        with self._cond:
+            while True:
+                if self._queue:
+                    seq, op, what, queued, delay = self._queue[0]
+                    left = None if hold is None else queued + hold - time.monotonic()
+                    if self._closing or seq <= self._released or (left is not None and left <= 0):
+                        self._queue.popleft()
+                        return seq, op, what, delay
+                    self._cond.wait(left)
+                elif self._closing:
+                    return None
+                else:
+                    self._cond.wait()
 
     def _work(self) -> None:
         while True:
-            entry = self._queue.get()
+            entry = self._next()
             if entry is None:
                 return
-            op, what = entry
+            seq, op, what, delay = entry
+            if delay > 0:
+                time.sleep(delay)
             try:
                 op()
             except Exception as exc:  # noqa: BLE001 - recorded; a real stream fails asynchronously too
                 self._fake.violation(f"{self.name}: {what} failed: {type(exc).__name__}: {exc}")
             self._fake._note(f"ran {self.name}: {what}")
-            with self._lock:
-                self._pending -= 1
-                if not self._pending:
-                    self._idle.set()
+            with self._cond:
+                self._done = seq
+                self._cond.notify_all()
 
     def wait_stream(self, other: Any) -> None:
         if isinstance(other, FakeStream) and other is not self:
@@ -103,15 +159,37 @@ class FakeStream:
         # the host stream has run everything already
 
     def wait_event(self, event: FakeEvent) -> None:
-        self._put(lambda: event._fired.wait(self._fake.timeout_s), f"wait {event.name}")
+        def wait() -> None:
+            if not event._wait():
+                self._fake.violation(f"stream {self.name}: event {event.name} did not fire")
+
+        self._put(wait, f"wait {event.name}")
+
+    def _drain(self) -> bool:
+        """Run everything queued so far and wait for it (bounded by ``timeout_s``)."""
+        with self._cond:
+            last = self._seq
+        self._release(last)
+        deadline = time.monotonic() + self._fake.timeout_s
+        with self._cond:
+            while self._done < last:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
 
     def synchronize(self) -> None:
         self._fake.stream_syncs += 1
-        if not self._idle.wait(self._fake.timeout_s):
+        if not self._drain():
             self._fake.violation(f"stream {self.name} did not drain within {self._fake.timeout_s} s")
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Run what is still queued, then stop the worker."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(self._fake.timeout_s)
 
 
 class _HostStream:
@@ -124,7 +202,7 @@ class _HostStream:
             other.synchronize()
 
     def wait_event(self, event: FakeEvent) -> None:
-        if not event._fired.wait(event._fake.timeout_s):
+        if not event._wait():
             event._fake.violation(f"event {event.name} waited on by the host did not fire")
 
     def synchronize(self) -> None:
@@ -142,7 +220,7 @@ class FakeCopies(DeviceCopies):
         self._current: threading.local = threading.local()
 
     def _cache_key(self) -> str:
-        return f"fake-{id(self._fake)}"
+        return f"fake-{self._fake.key}"
 
     def _pin(self, nbytes: int) -> Any:
         return self._fake.pinned(nbytes)
@@ -160,8 +238,7 @@ class FakeCopies(DeviceCopies):
         return _Using(self._current, stream)
 
     def _copy(self, dst: Any, src: Any) -> None:
-        stream = self._current_stream()
-        self._fake.copy(dst, src, stream)
+        self._fake.copy(dst, src, self._current_stream())
 
     def is_pinned(self, tensor: Any) -> bool:
         return self._fake.is_pinned(tensor)
@@ -172,15 +249,13 @@ class FakeCopies(DeviceCopies):
     def empty(self, shape: Sequence[int], dtype: Any) -> Any:
         return self._fake.empty(shape, dtype)
 
-    def to_device(self, dst: Any, src: Any, staging: Any = None) -> Any:
-        if dst.dtype == src.dtype and dst.is_contiguous():
-            return super().to_device(dst, src, staging)
-        # the device kernel after the transfer runs on the copy stream too
-        tmp = self.empty(src.shape, src.dtype) if staging is None else staging
-        event = super().to_device(tmp, src)
-        stream = self.stream
-        stream._put(lambda: dst.copy_(tmp), f"kernel into {tuple(dst.shape)}")
-        return event
+    def _kernel(self, dst: Any, src: Any) -> None:
+        """The cast / strided write is queued on the current (copy) stream, in its order."""
+        stream = self._current_stream()
+        if not isinstance(stream, FakeStream):
+            dst.copy_(src)
+            return
+        stream._put(lambda: dst.copy_(src), f"kernel into {tuple(dst.shape)}")
 
 
 class _Using:
@@ -197,12 +272,18 @@ class _Using:
 
 
 class FakeAccelerator:
-    """Host memory posing as an accelerator's (module docstring)."""
+    """Host memory posing as an accelerator's (module docstring).
 
-    def __init__(self, max_delay_s: float = 0.002, seed: int = 0, timeout_s: float = 60.0):
-        import itertools
+    ``max_delay_s``: the most a worker sleeps before an operation (drawn from
+    ``random.Random(seed)`` in the order operations are queued); ``hold_s``: how long an
+    operation nobody waits for is held before it runs anyway (``None``: until ``close``);
+    ``timeout_s``: the bound of every wait, after which it is recorded in ``violations``.
+    """
 
-        self.max_delay_s, self.timeout_s = max_delay_s, timeout_s
+    def __init__(self, max_delay_s: float = 0.002, seed: int = 0, timeout_s: float = 60.0,
+                 hold_s: float | None = 2.0):
+        self.max_delay_s, self.timeout_s, self.hold_s = max_delay_s, timeout_s, hold_s
+        self.key = next(_FAKES)
         self._random = random.Random(seed)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -217,24 +298,26 @@ class FakeAccelerator:
 
     # -- memory -----------------------------------------------------------------------------
     def empty(self, shape: Sequence[int], dtype: Any) -> Any:
-        """Uninitialised "device" memory."""
+        """Uninitialised "device" memory (poisoned: every byte ``POISON_BYTE``)."""
         import torch
 
         t = torch.empty(tuple(shape), dtype=dtype)
+        _poison(t)
         with self._lock:
             self._device[t.untyped_storage().data_ptr()] = t
         return t
 
     def to_device(self, tensor: Any) -> Any:
-        """A "device" copy of the host tensor ``tensor``."""
+        """A "device" copy of the host tensor ``tensor`` (made at once, not on a stream)."""
         out = self.empty(tensor.shape, tensor.dtype)
         out.copy_(tensor)
         return out
 
     def pinned(self, nbytes: int) -> Any:
+        """A pinned host buffer of ``nbytes`` (poisoned)."""
         import torch
 
-        t = torch.empty(nbytes, dtype=torch.uint8)
+        t = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
         with self._lock:
             self._pinned[t.untyped_storage().data_ptr()] = t
         return t
@@ -251,8 +334,12 @@ class FakeAccelerator:
         self.streams.append(stream)
         return stream
 
+    def _delay(self) -> float:
+        with self._lock:
+            return self._random.uniform(0, self.max_delay_s) if self.max_delay_s > 0 else 0.0
+
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
-        """Queue ``dst.copy_(src)`` on ``stream`` after a random delay; record violations."""
+        """Queue ``dst.copy_(src)`` on ``stream`` (it runs late: module docstring); record violations."""
         h2d, d2h = self.is_pinned(src) and self.owns(dst), self.owns(src) and self.is_pinned(dst)
         if not (h2d or d2h):
             self.violation(f"copy of {tuple(src.shape)} {src.dtype} not between pinned host memory and the "
@@ -264,13 +351,13 @@ class FakeAccelerator:
             return
         self.copies += 1
         snapshot = src.clone()
-        delay = self._random.uniform(0, self.max_delay_s)
+        what = "a pinned buffer reused before its event fired" if h2d else \
+            "a device tensor written before the copy's event was waited for"
 
         def run() -> None:
-            time.sleep(delay)
             if not _same(src, snapshot):
                 self.violation(f"the source of a copy of {tuple(src.shape)} {src.dtype} was rewritten before the "
-                               "copy ran (a pinned buffer reused before its event fired)")
+                               f"copy ran ({what})")
             dst.copy_(src)
 
         stream._put(run, f"copy {tuple(src.shape)} {'H2D' if h2d else 'D2H'}")
@@ -298,8 +385,24 @@ class FakeAccelerator:
         return FakeAcceleratorPlatform(**kwargs)
 
     def close(self) -> None:
+        """Run every operation still held, stop the streams' threads, and drop this fake's
+        pinned ring and cached buffers from the process-wide caches of ``_device``."""
+        from . import _device
+
         for s in self.streams:
             s.close()
+        key = self.engine._cache_key()
+        with _device._LOCK:
+            _device._CACHE.pop(key, None)
+            for ring in [k for k in _device._RINGS if k.startswith(key + ":")]:
+                del _device._RINGS[ring]
+
+
+def _poison(t: Any) -> None:
+    import torch
+
+    if t.numel():
+        t.reshape(-1).view(torch.uint8).fill_(POISON_BYTE)
 
 
 def _same(a: Any, b: Any) -> bool:

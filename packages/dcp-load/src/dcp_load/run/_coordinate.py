@@ -31,8 +31,8 @@ and publishes that, so the other ranks raise at once too.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -41,8 +41,8 @@ from .._errors import LoadError
 from ..plan._digest import all_reduce
 from ._validate import exchange
 
-__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "refused_together", "scope_of",
-           "skip_slot", "timeout_seconds", "unusable_cause"]
+__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "peek_slot", "refused_together",
+           "scope_of", "skip_slot", "timeout_seconds", "unusable_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ MIN_STALL_S = 30.0
 # default group): every load call, every collective save, every transfer. Every rank counts
 # its own calls; a module-level counter is what lets separate Platform objects (one per
 # call) agree, and one per group lets loads on a sub-group leave the world's count alone.
-_COUNTS: dict[tuple[str, str], Any] = {}
+_COUNTS: dict[tuple[str, str], int] = {}
+_COUNTS_LOCK = threading.Lock()
 
 # Process groups left with an unfinished collective by a failed load or save, by group key:
 # key -> (group, cause). An entry counts only while that group object is still the one the
@@ -72,10 +73,15 @@ WORLD = "world"
 def next_slot(operation: str, scope: str = WORLD) -> int:
     """The number of this ``operation`` call (``load``, ``save``, ``transfer``) of this process
     on the group ``scope`` names."""
-    counter = _COUNTS.get((operation, scope))
-    if counter is None:
-        counter = _COUNTS[(operation, scope)] = itertools.count()
-    return next(counter)
+    with _COUNTS_LOCK:
+        slot = _COUNTS.get((operation, scope), 0)
+        _COUNTS[(operation, scope)] = slot + 1
+    return slot
+
+
+def peek_slot(operation: str, scope: str = WORLD) -> int:
+    """The number the next ``operation`` call on ``scope`` will take (nothing is taken)."""
+    return _COUNTS.get((operation, scope), 0)
 
 
 def next_load_slot(scope: str = WORLD) -> int:
@@ -141,7 +147,10 @@ def _torch_platform(process_group: Any) -> Any:
         return None
     from dcp_platform import get_platform
 
-    platform = get_platform("torch", group=process_group)
+    try:
+        platform = get_platform("torch", group=process_group)
+    except ValueError:  # not a group of this rank: its members are not waiting for this one
+        return None
     return platform if platform.world_size() > 1 else None
 
 
@@ -237,9 +246,12 @@ class Coordinator:
         """Wait (at most ``timeout``) until every rank entered ``load``; raise at once when
         an earlier failure left the process group unusable (module docstring).
 
-        A call whose slot the other ranks gave up on without this rank (their arrival timed
-        out naming it missing: they made one call more than this rank) is not this call's:
-        this rank takes the next slot, so that its count and theirs agree again."""
+        A rank the others gave up on (``Watch.left_behind``) raises their abort, unless some
+        rank already waits in the next call: then the others made one call more than this
+        rank (an extra call on one rank), and this call takes the next slot, so that the
+        counts agree again. A rank that merely came late fails with the others."""
+        from dcp_platform import PeerFailure
+
         if self.watch is None:
             return
         cause = unusable_cause(self.platform)
@@ -249,13 +261,23 @@ class Coordinator:
                 "create a new one (torch.distributed.destroy_process_group(), then "
                 f"init_process_group(...)) on every rank, or restart the job, before calling {self.operation} "
                 "again"]}, self.phase)
-        while not self.watch.arrive(self.timeout):
-            logger.info("rank %d: %s was given up by the other ranks before this rank arrived (they made one "
-                        "call more); this call takes the next one", self.watch.rank, self.watch.name)
+        while True:
+            try:
+                self.watch.arrive(self.timeout)
+                return
+            except PeerFailure:
+                if not (self.watch.left_behind() and self._next_call_waits()):
+                    raise
+            logger.info("rank %d: %s was given up by the other ranks before this rank arrived and they wait "
+                        "in the next call; this call takes that one", self.watch.rank, self.watch.name)
             self.watch.close(success=False)
             self.slot = next_slot(self.operation, self.scope)
             self.watch = self._watch(self.slot)
             self.watch.__enter__()
+
+    def _next_call_waits(self) -> bool:
+        store = self.watch.store
+        return bool(store.check([f"dcp-{self.operation}/{peek_slot(self.operation, self.scope)}/arrived"]))
 
     @property
     def waiter(self) -> Any:

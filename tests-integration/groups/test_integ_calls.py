@@ -1,0 +1,65 @@
+"""Calls pair up across ranks whatever came before (integ_calls_cases, real gloo ranks): a
+rank that refuses ``transfer``, ``save`` or ``async_save`` on its arguments tells the others
+at once (they raise within seconds, naming it, instead of after the timeout), one rank
+calling ``transfer`` once more than the others fails that call alone, and after any such
+sequence the next good call of every operation succeeds on every rank, with process groups
+and file descriptors bounded (hypothesis: random sequences of good and bad calls)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dcp_platform.testing import run_ranks
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+import integ_calls_cases as cases  # noqa: E402
+
+
+def _good_after(per_rank):
+    for rank, r in enumerate(per_rank):
+        assert [o for o, _ in r["after"]] == ["ok"] * 4, (rank, r["after"])
+        groups, fds = r["before"]
+        assert r["end"][0] <= groups + 1 and r["end"][1] <= fds + 8, (rank, r["before"], r["end"])
+
+
+def test_a_refusal_on_one_rank_is_known_at_once_and_counts(tmp_path):
+    calls = [("transfer", 1), ("save", 1), ("async", 2), ("transfer", 3)]
+    per_rank = run_ranks(cases.run_sequence, 4, str(tmp_path), calls, timeout=300, pg_timeout=120)
+    for k, (_, who) in enumerate(calls):
+        for rank, r in enumerate(per_rank):
+            outcome, seconds = r["outcomes"][k]
+            if rank == who:
+                assert outcome.startswith("ValueError"), (k, rank, outcome)
+            else:
+                assert outcome.startswith("LoadError") and f"rank {who}: raised before taking part" in outcome, \
+                    (k, rank, outcome)
+                assert seconds < cases.WAIT_S * 5, (k, rank, seconds)  # not the 30 s timeout
+    _good_after(per_rank)
+
+
+def test_one_extra_transfer_fails_alone(tmp_path):
+    calls = [("extra", 0), ("transfer", -1), ("extra", 1), ("extra", 1), ("save", -1)]
+    per_rank = run_ranks(cases.run_sequence, 2, str(tmp_path), calls, timeout=300, pg_timeout=120)
+    for k, (op, who) in enumerate(calls):
+        for rank, r in enumerate(per_rank):
+            outcome = r["outcomes"][k][0]
+            if op == "extra" and rank == who:
+                assert outcome.startswith("LoadError") and "did not reach dcp-transfer" in outcome, (k, outcome)
+            elif op == "extra":
+                assert outcome == "not called"
+            else:
+                assert outcome == "ok", (k, rank, outcome)
+    _good_after(per_rank)
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.tuples(st.sampled_from(["transfer", "save", "async", "extra"]), st.integers(-1, 1)),
+                min_size=1, max_size=5))
+def test_after_any_sequence_the_next_good_calls_succeed(tmp_path_factory, calls):
+    calls = [(op, 0 if op == "extra" and who < 0 else who) for op, who in calls]
+    per_rank = run_ranks(cases.run_sequence, 2, str(tmp_path_factory.mktemp("seq")), calls, timeout=300,
+                         pg_timeout=120)
+    _good_after(per_rank)
