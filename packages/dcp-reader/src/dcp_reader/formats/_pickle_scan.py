@@ -71,6 +71,7 @@ for _op in pickletools.opcodes:
 _WIDTH = {-2: 1, -3: 4, -4: 4, -5: 8}
 _TEXT_INDEX = {ord("p"), ord("g")}  # PUT, GET: the index is a decimal line
 _FRAME = ord("\x95")
+_MOVES = frozenset((_POP_MARK, _POP, _DUP, _STOP))  # what ``_Walk._move`` applies
 
 
 _LEAF = (0, 0, ())  # scalars, globals: nothing inside (tuples are never changed: nodes that change are lists)
@@ -247,23 +248,56 @@ class _Walk:
 
     def step(self, kind: int, take: int, index: int | None) -> bool:
         """Apply one opcode's effect; True at STOP."""
-        stack = self.stack
+        if kind == _GET or kind == _MEMOIZE or kind == _PUT:
+            self._memo_op(kind, index)
+        elif kind in _MOVES:
+            return self._move(kind)
+        else:
+            self._build(kind, take)
+        return False
+
+    def _memo_op(self, kind: int, index: int | None) -> None:
+        """GET pushes a stored node; MEMOIZE and PUT store the top one (indices in order)."""
+        stack, memo = self.stack, self.memo
         if kind == _GET:
-            if index is None or not 0 <= index < len(self.memo):
-                raise _Refused(f"memo index {index} but only {len(self.memo)} entries were stored before "
+            if index is None or not 0 <= index < len(memo):
+                raise _Refused(f"memo index {index} but only {len(memo)} entries were stored before "
                                "it (pickle numbers them in order)")
-            stack.append(self.memo[index])
-        elif kind == _MEMOIZE or kind == _PUT:
+            stack.append(memo[index])
+            return
+        if len(stack) <= self._fence():
+            raise _Refused("stack underflow")
+        if kind == _MEMOIZE or index == len(memo):
+            memo.append(stack[-1])
+        elif index is not None and 0 <= index < len(memo):
+            memo[index] = stack[-1]
+        else:
+            raise _Refused(f"memo index {index} but only {len(memo)} entries were stored before "
+                           "it (pickle numbers them in order)")
+
+    def _move(self, kind: int) -> bool:
+        """POP_MARK, POP, DUP, STOP: move nodes without building one; True at STOP."""
+        stack = self.stack
+        if kind == _POP_MARK:
+            self._to_mark()
+        elif kind == _POP:
+            if self.marks and self.marks[-1] == len(stack):
+                self.marks.pop()  # POP right after MARK drops the mark, as the C unpickler does
+            else:
+                self._take(1)
+        elif kind == _DUP:
             if len(stack) <= self._fence():
                 raise _Refused("stack underflow")
-            if kind == _MEMOIZE or index == len(self.memo):
-                self.memo.append(stack[-1])
-            elif index is not None and 0 <= index < len(self.memo):
-                self.memo[index] = stack[-1]
-            else:
-                raise _Refused(f"memo index {index} but only {len(self.memo)} entries were stored before "
-                               "it (pickle numbers them in order)")
-        elif kind == _TUPLE_N:
+            stack.append(stack[-1])
+        elif kind == _STOP:
+            self._take(1)
+            return True
+        return False
+
+    def _build(self, kind: int, take: int) -> None:
+        """The opcodes that make a node or fill one: tuples, calls, containers, BUILD."""
+        stack = self.stack
+        if kind == _TUPLE_N:
             items = self._take(take)
             stack.append(self._node(items, take))
         elif kind == _CALL:  # REDUCE, NEWOBJ(_EX): callable, args[, kwargs]; BINPERSID: pid
@@ -291,18 +325,3 @@ class _Walk:
         elif kind == _ADD_MARK:
             items = self._to_mark()
             self._fill(self._top(), items, len(items))
-        elif kind == _POP_MARK:
-            self._to_mark()
-        elif kind == _POP:
-            if self.marks and self.marks[-1] == len(stack):
-                self.marks.pop()  # POP right after MARK drops the mark, as the C unpickler does
-            else:
-                self._take(1)
-        elif kind == _DUP:
-            if len(stack) <= self._fence():
-                raise _Refused("stack underflow")
-            stack.append(stack[-1])
-        elif kind == _STOP:
-            self._take(1)
-            return True
-        return False
