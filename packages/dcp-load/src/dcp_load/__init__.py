@@ -13,6 +13,7 @@ from .run._report import LoadReport
 from .saving._async import async_save
 from .saving._save import SaveReport, save
 from .saving._staging import release_staging
+from .transferring._sync_group import TransferGroup, TransferGroupError, transfer_group
 from .transferring._transfer import TransferReport, transfer
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "SaveReport",
     "Slice",
     "Stack",
+    "TransferGroup",
+    "TransferGroupError",
     "TransferReport",
     "__version__",
     "async_save",
@@ -41,4 +44,5 @@ __all__ = [
     "release_staging",
     "save",
     "transfer",
+    "transfer_group",
 ]

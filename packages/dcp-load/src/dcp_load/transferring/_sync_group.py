@@ -1,0 +1,225 @@
+"""A weight-sync group joining two separately launched jobs (a trainer and an inference engine).
+
+Each job keeps its own default process group; this module never touches it. The ranks of
+both jobs meet in a ``torch.distributed.TCPStore`` that trainer rank 0 hosts, check that
+they agree (a handshake: the group's name, dcp-load's version, both world sizes and the
+backend), and build one process group over all of them from that store: trainer ranks
+``0..T-1``, engine ranks ``T..T+E-1``. ``transfer(..., process_group=group)`` then moves
+weights across the two jobs as it does within one (``dcp_platform``'s ``GroupView`` runs
+every collective on the group object itself, which torch's registry never sees).
+
+The handshake is two rounds through the store, each bounded by ``timeout``: every rank
+first reads both leaders' greetings (trainer rank 0 and engine rank 0, which always exist),
+then every rank's. Each rank compares every greeting it read with its own, so a
+disagreement raises the same ``TransferGroupError`` on every rank that reads it, naming
+the sides, ranks and values; a rank that never arrives is named when the bound expires.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TransferGroup", "TransferGroupError", "transfer_group"]
+
+#: The handshake's format; a change that makes older ranks plan differently bumps it.
+PROTOCOL = 1
+
+SIDES = ("trainer", "engine")
+
+#: How often a waiting rank polls the store for greetings (a store ``check`` is one round
+#: trip on the loopback, well under a millisecond).
+POLL_S = 0.02
+
+
+class TransferGroupError(RuntimeError):
+    """The two jobs could not form a transfer group: they disagree, or a rank never came."""
+
+
+class TransferGroup(dist.ProcessGroup):
+    """The process group ``transfer_group`` returns: a ``torch.distributed.ProcessGroup``
+    (``rank()``, ``size()``, ``broadcast``, ``allgather``... on its own methods; not in torch's
+    registry, so ``torch.distributed.broadcast(group=...)`` does not take it).
+
+    ``side`` / ``side_rank``: this process's job and rank in it; ``world_sizes``: (trainer
+    ranks, engine ranks); ``trainer_ranks`` / ``engine_ranks``: their ranks in this group.
+    ``dcp_group_key``: the group's name, alike on every member (dcp-load keys its kept
+    plans and call counts by it). ``close()`` shuts the group's backends down.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, *, side: str, side_rank: int,
+                 world_sizes: tuple[int, int], key: str, hosted: Any):
+        super().__init__(rank, size)
+        self._store, self._hosted = store, hosted  # the hosting rank keeps its server alive
+        self._backends: list[Any] = []
+        self.side, self.side_rank, self.world_sizes = side, side_rank, world_sizes
+        self.dcp_group_key = key
+
+    def get_group_store(self) -> Any:  # the store transfer's helpers meet through
+        return self._store
+
+    @property
+    def trainer_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world_sizes[0]))
+
+    @property
+    def engine_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world_sizes[0], sum(self.world_sizes)))
+
+    def close(self) -> None:
+        """Shut the group's backends down (after this process's last transfer on it)."""
+        for backend in self._backends:
+            backend.shutdown()
+        self._backends.clear()
+
+    def __repr__(self) -> str:
+        return (f"TransferGroup({self.dcp_group_key!r}, {self.side} rank {self.side_rank}, rank {self.rank()} "
+                f"of {self.size()}, world_sizes={self.world_sizes})")
+
+
+def _check_arguments(side: Any, rank: Any, world_sizes: Any, backend: Any, name: Any) -> tuple[int, int]:
+    if side not in SIDES:
+        raise ValueError(f"transfer_group: side must be 'trainer' or 'engine', got {side!r}")
+    try:
+        sizes = tuple(int(w) for w in world_sizes)
+    except (TypeError, ValueError):
+        sizes = ()
+    if len(sizes) != 2 or min(sizes) < 1 or any(isinstance(w, bool) for w in world_sizes):
+        raise ValueError(f"transfer_group ({side} rank {rank}): world_sizes must be (trainer ranks, engine ranks), "
+                         f"two ints >= 1, got {world_sizes!r}")
+    mine = sizes[SIDES.index(side)]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mine:
+        raise ValueError(f"transfer_group: rank must be this process's rank in the {side} job, an int in "
+                         f"[0, {mine}) for world_sizes={sizes}, got {rank!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"transfer_group ({side} rank {rank}): backend must be 'gloo' or 'nccl', got {backend!r}")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"transfer_group ({side} rank {rank}): name must be a non-empty str without '/', "
+                         f"got {name!r}")
+    return sizes[0], sizes[1]
+
+
+def _seconds(timeout: Any) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ValueError(f"transfer_group: timeout must be a datetime.timedelta or a number of seconds > 0, "
+                         f"got {timeout!r}")
+    return float(seconds)
+
+
+def _connect(host: str, port: int, hosting: bool, seconds: float, who: str) -> Any:
+    """The TCPStore at ``host:port``: served here on trainer rank 0, else reached as a client
+    (which retries until the server is up or ``seconds`` pass)."""
+    try:
+        return dist.TCPStore(host, port, None, hosting, timedelta(seconds=seconds), wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001 - the store's own errors name neither the side nor the group
+        what = "host the store on" if hosting else "reach trainer rank 0's store at"
+        raise TransferGroupError(f"transfer_group ({who}): could not {what} {host}:{port} within {seconds:g} s: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+
+def _greeting(name: str, side: str, rank: int, sizes: tuple[int, int], backend: str) -> dict[str, Any]:
+    from .._version import __version__
+
+    return {"protocol": PROTOCOL, "dcp_load": __version__, "name": name, "side": side, "rank": rank,
+            "world_sizes": list(sizes), "backend": backend}
+
+
+def _await(store: Any, keys: Sequence[str], deadline: float, seconds: float, who: str) -> list[dict[str, Any]]:
+    """The greetings under ``keys`` once all are there; names the missing ones at ``deadline``."""
+    pending = list(keys)
+    while pending:
+        pending = [k for k in pending if not store.check([k])]
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            names = ", ".join(k.replace("/", " rank ") for k in pending)
+            raise TransferGroupError(f"transfer_group ({who}): {names} did not join within {seconds:g} s; start "
+                                     "every rank of both jobs with the same host, port and name")
+        time.sleep(POLL_S)
+    return [json.loads(store.get(k)) for k in keys]
+
+
+_COMPARED = ("protocol", "dcp_load", "world_sizes", "backend")
+
+
+def _disagreements(mine: dict[str, Any], others: Sequence[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """What the ``others`` say that differs from ``mine``, and the fields that differ."""
+    said, fields = [], []
+    for other in others:
+        for field in _COMPARED:
+            if other.get(field) != mine[field]:
+                said.append(f"{other.get('side')} rank {other.get('rank')} says {field}={other.get(field)!r}")
+                fields.append(field)
+    return said, list(dict.fromkeys(fields))
+
+
+def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], seconds: float, who: str) -> None:
+    deadline = time.monotonic() + seconds
+    store.set(f"{hello['side']}/{hello['rank']}", json.dumps(hello))
+    for keys in (["trainer/0", "engine/0"],
+                 [f"{s}/{r}" for s, n in zip(SIDES, sizes, strict=True) for r in range(n)]):
+        said, fields = _disagreements(hello, _await(store, keys, deadline, seconds, who))
+        if said:
+            here = ", ".join(f"{f}={hello[f]!r}" for f in fields)
+            raise TransferGroupError(f"transfer_group {hello['name']!r} ({who}): the jobs disagree: "
+                                     f"{'; '.join(dict.fromkeys(said))}; {who} (this rank) has {here}; every rank of "
+                                     "both jobs must pass the same world_sizes=(trainer ranks, engine ranks) and "
+                                     "backend, with the same dcp-load version")
+
+
+def _backends(group: TransferGroup, store: Any, rank: int, size: int, backend: str, seconds: float) -> None:
+    """Gloo for host tensors (and the control messages), NCCL for CUDA tensors when asked."""
+    timeout = timedelta(seconds=seconds)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    group._backends.append(gloo)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    default = dist.ProcessGroup.BackendType.GLOO
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
+        group._backends.append(nccl)
+        group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+        default = dist.ProcessGroup.BackendType.NCCL
+    group._set_default_backend(default)
+
+
+def transfer_group(host: str, port: int, *, side: str, rank: int, world_sizes: Sequence[int],
+                   timeout: Any = 300.0, backend: str = "gloo", name: str = "weights") -> TransferGroup:
+    """Join this process to the weight-sync group of a trainer job and an engine job.
+
+    Call it on every rank of both jobs with the same ``host``, ``port``, ``world_sizes``
+    ((trainer ranks, engine ranks)), ``backend`` and ``name``; ``side`` is ``"trainer"`` or
+    ``"engine"``, ``rank`` this process's rank in its own job. Trainer rank 0 hosts a
+    ``TCPStore`` on ``port``; the group's ranks are the trainer's ``0..T-1`` then the
+    engine's ``T..T+E-1``. Neither job's default process group is used or changed.
+    ``backend="nccl"`` adds NCCL for CUDA tensors (gloo stays for host tensors and control).
+
+    Jobs that disagree (world sizes, backend, dcp-load version) raise ``TransferGroupError``
+    on every rank, naming the sides, ranks and values; a rank missing after ``timeout``
+    (seconds or a ``timedelta``; also the group's collective timeout) is named the same way.
+    Pass the result as ``transfer(..., process_group=group)``.
+    """
+    sizes = _check_arguments(side, rank, world_sizes, backend, name)
+    seconds = _seconds(timeout)
+    who = f"{side} rank {rank}"
+    hosting = side == "trainer" and rank == 0
+    server = _connect(host, int(port), hosting, seconds, who)
+    store = dist.PrefixStore(f"dcp-sync/{name}/", server)
+    _handshake(store, _greeting(name, side, rank, sizes, backend), sizes, seconds, who)
+    me = rank if side == "trainer" else sizes[0] + rank
+    group = TransferGroup(dist.PrefixStore("group/", store), me, sum(sizes), side=side, side_rank=rank,
+                          world_sizes=sizes, key=f"transfer-group:{name}@{host}:{port}", hosted=server)
+    try:
+        _backends(group, store, me, sum(sizes), backend, seconds)
+    except Exception as exc:  # noqa: BLE001 - gloo's connect errors name neither side nor group
+        raise TransferGroupError(f"transfer_group {name!r} ({who}): connecting the {backend} group of "
+                                 f"{sum(sizes)} ranks failed: {type(exc).__name__}: {exc}") from exc
+    return group

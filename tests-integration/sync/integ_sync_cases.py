@@ -1,0 +1,147 @@
+"""Functions that run inside ranks for test_integ_sync (not a test module).
+
+Two jobs launched apart, each with its own default gloo group (``run_ranks`` with its own
+init file): a "trainer" job and an "engine" job. Their ranks join one transfer group
+through a TCPStore on 127.0.0.1 (``dcp_load.transfer_group``) and move weights with
+``transfer(..., process_group=group)``. While they do, any collective on a job's default
+group raises (``default_group_forbidden``); afterwards each default group still works.
+Destinations are poisoned (0x7F bytes) before each transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import dcp_load
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+SHAPES = {"wq": (16, 8), "wk": (8, 8), "wv": (8, 8), "wo": (8, 16), "norm": (8,)}
+
+
+def truth(name: str, step: int = 0, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + step)
+    return torch.randn(*(shape or SHAPES[name]), generator=g)
+
+
+def poison(t: torch.Tensor) -> None:
+    t.view(torch.uint8).fill_(0x7F)
+
+
+@contextlib.contextmanager
+def default_group_forbidden():
+    """Every collective that would run on the job's default group raises inside the block."""
+    names = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "barrier", "new_group")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def guard(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            if name == "new_group" or group is None or group is dist.group.WORLD:
+                raise AssertionError(f"torch.distributed.{name} on the default group during a sync transfer")
+            return saved[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(dist, n, guard(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def join(side: str, rank: int, port: int, sizes: tuple[int, int], timeout: float = 60.0) -> Any:
+    return dcp_load.transfer_group("127.0.0.1", port, side=side, rank=rank, world_sizes=sizes, timeout=timeout)
+
+
+def _default_group_works(world: int) -> bool:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item() == world
+
+
+def _trainer_src(mesh: Any, step: int) -> dict[str, Any]:
+    src = {n: distribute_tensor(truth(n, step), mesh, [Shard(0)]) for n in ("wq", "wk", "wv", "wo")}
+    src["norm"] = distribute_tensor(truth("norm", step).bfloat16(), mesh, [Replicate()])
+    return src
+
+
+def _engine_dst(mesh: Any) -> dict[str, Any]:
+    dst = {"wq": distribute_tensor(torch.empty(SHAPES["wq"]), mesh, [Shard(0)]),
+           "wo": distribute_tensor(torch.empty(SHAPES["wo"]), mesh, [Shard(1)]),
+           "wk": torch.empty(SHAPES["wk"]), "norm": torch.empty(SHAPES["norm"])}
+    return dst
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _bad(dst: dict[str, Any], step: int) -> list[str]:
+    bad = []
+    for name, value in dst.items():
+        want = truth(name, step)
+        if name == "norm":
+            want = want.bfloat16().float()
+        if hasattr(value, "full_tensor"):
+            want = distribute_tensor(want, value.device_mesh, list(value.placements)).to_local()
+        if not torch.equal(_local(value), want):
+            bad.append(name)
+    return bad
+
+
+def two_jobs(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Trainer DTensors (FSDP Shard(0), a replicated bf16 norm) into engine DTensors on the
+    engine's own mesh and whole plain tensors, twice (the plan kept), then a changed layout."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    out: dict[str, Any] = {"group": (group.rank(), group.size(), group.side_rank, group.world_sizes)}
+    dst = _engine_dst(mesh) if side == "engine" else {}
+    with default_group_forbidden():
+        for step in range(2):
+            src = _trainer_src(mesh, step) if side == "trainer" else {}
+            for v in dst.values():
+                poison(_local(v))
+            report = dcp_load.transfer(src, dst, process_group=group, timeout=60)
+            out[f"bad{step}"] = _bad(dst, step) if side == "engine" else []
+            out[f"report{step}"] = {"reused": report.plan_reused, "received": report.bytes_received,
+                                    "sent": report.bytes_sent, "kept": report.bytes_kept, "rank": report.rank,
+                                    "world": report.world_size}
+    out["default_ok"] = _default_group_works(world)
+    group.close()
+    return out
+
+
+def disagree(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """The engine job believes in 3 engine ranks (it has 2): every rank of both raises."""
+    claimed = sizes if side == "trainer" else (sizes[0], sizes[1] + 1)
+    start = time.monotonic()
+    try:
+        join(side, rank, port, claimed, timeout=20)
+    except dcp_load.TransferGroupError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start, "default_ok": _default_group_works(world)}
+    return {"message": None}
+
+
+def engine_dies(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Engine rank 1 joins, then exits instead of calling transfer: the others are told
+    within the timeout, naming it, and the default groups of the trainer stay usable."""
+    group = join(side, rank, port, sizes)
+    if side == "engine" and rank == 1:
+        os._exit(3)
+    mesh = init_device_mesh("cpu", (world,))
+    src = {"w": distribute_tensor(truth("wo"), mesh, [Shard(0)])} if side == "trainer" else {}
+    dst = {"w": torch.full(SHAPES["wo"], float("nan"))} if side == "engine" else {}
+    start = time.monotonic()
+    try:
+        dcp_load.transfer(src, dst, process_group=group, timeout=5)
+    except dcp_load.LoadError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start,
+                "untouched": side == "trainer" or bool(dst["w"].isnan().all())}
+    return {"message": None}

@@ -1,0 +1,75 @@
+"""Weight sync between two separately launched jobs (integ_sync_cases): 2 "trainer" ranks
+and 2 "engine" ranks, each job with its own default gloo group (``run_ranks`` with its own
+init file), joined by ``dcp_load.transfer_group`` through a TCPStore on 127.0.0.1; values
+exact, nothing on either default group during the transfers, each default group usable
+after; jobs that disagree or an engine rank that dies are named on every rank in time."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from dcp_platform.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import integ_sync_cases as cases  # noqa: E402
+
+SIZES = (2, 2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_jobs(fn: Any, *args: Any, sizes: tuple[int, int] = SIZES, timeout: float = 240,
+             may_die: tuple[int, ...] = ()) -> tuple[list[Any], list[Any]]:
+    """``fn`` on a trainer job and an engine job launched apart (each its own default group)."""
+    port = free_port()
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_ranks, fn, n, side, port, sizes, *args, timeout=timeout, pg_timeout=timeout,
+                            may_die=may_die if side == "engine" else ())
+                for side, n in zip(("trainer", "engine"), sizes, strict=True)]
+        return jobs[0].result(), jobs[1].result()
+
+
+def test_two_jobs_transfer_within_their_own_group():
+    trainer, engine = run_jobs(cases.two_jobs)
+    for side, per_rank in (("trainer", trainer), ("engine", engine)):
+        for rank, r in enumerate(per_rank):
+            me = rank if side == "trainer" else 2 + rank
+            assert r["group"] == (me, 4, rank, SIZES), r
+            assert r["bad0"] == r["bad1"] == [] and r["default_ok"], (side, rank, r)
+            assert not r["report0"]["reused"] and r["report1"]["reused"], r
+            assert (r["report0"]["rank"], r["report0"]["world"]) == (me, 4), r
+    sent = sum(r["report0"]["sent"] for r in trainer)
+    assert sent and sum(r["report0"]["sent"] for r in engine) == 0
+    # every byte an engine keeps arrived from the trainer (the norm in bf16: half its fp32 bytes)
+    for r in engine:
+        assert r["report0"]["received"] == r["report0"]["kept"] - cases.SHAPES["norm"][0] * 2, r
+
+
+def test_jobs_that_disagree_on_world_sizes_fail_on_every_rank():
+    trainer, engine = run_jobs(cases.disagree)
+    for side, per_rank in (("trainer", trainer), ("engine", engine)):
+        for rank, r in enumerate(per_rank):
+            message = r["message"]
+            assert message and f"({side} rank {rank}): the jobs disagree" in message, r
+            if side == "trainer":
+                assert "engine rank 0 says world_sizes=[2, 3]" in message, r
+                assert f"trainer rank {rank} (this rank) has world_sizes=[2, 2]" in message, r
+            else:
+                assert "trainer rank 0 says world_sizes=[2, 2]" in message, r
+                assert f"engine rank {rank} (this rank) has world_sizes=[2, 3]" in message, r
+            assert r["seconds"] < 20 and r["default_ok"], r
+
+
+def test_an_engine_rank_that_dies_is_named_in_time():
+    trainer, engine = run_jobs(cases.engine_dies, may_die=(1,))
+    for r in [*trainer, engine[0]]:
+        assert r["message"] and "rank 3" in r["message"] and r["untouched"], r
+        assert r["seconds"] < 30, r
