@@ -145,3 +145,70 @@ def engine_dies(rank: int, world: int, side: str, port: int, sizes: tuple[int, i
         return {"message": str(exc), "seconds": time.monotonic() - start,
                 "untouched": side == "trainer" or bool(dst["w"].isnan().all())}
     return {"message": None}
+
+
+# -- an engine's plain tensor-parallel shards, fused q/k/v and gate/up --------------------------
+HEADS, KV_HEADS, HEAD_DIM, DIM, FFN = 4, 2, 4, 8, 16
+TP_SHAPES = {"wq": (HEADS * HEAD_DIM, DIM), "wk": (KV_HEADS * HEAD_DIM, DIM), "wv": (KV_HEADS * HEAD_DIM, DIM),
+             "gate": (FFN, DIM), "up": (FFN, DIM), "down": (DIM, FFN), "norm": (DIM,)}
+ENGINE_SHAPES = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, DIM), "gate_up": (2 * FFN, DIM), "down": (DIM, FFN),
+                 "norm": (DIM,)}
+TP_DIMS = {"qkv": 0, "gate_up": 0, "down": 1, "norm": None}  # column-, column-, row-parallel, replicated
+
+
+def engine_sources() -> dict[str, Any]:
+    # each TP rank holds whole KV groups of q/k/v, and its own halves of gate and of up
+    return {"qkv": dcp_load.Concat(["wq", "wk", "wv"], dim=0, groups=KV_HEADS),
+            "gate_up": dcp_load.Concat(["gate", "up"], dim=0, groups=2)}
+
+
+def fused_truth(name: str, step: int) -> torch.Tensor:
+    """The engine's full parameter, built from the trainer's truth by hand."""
+    def t(n: str) -> torch.Tensor:
+        return truth(n, step, TP_SHAPES[n])
+
+    if name == "qkv":
+        parts = [t(n).chunk(KV_HEADS) for n in ("wq", "wk", "wv")]
+        return torch.cat([p[g] for g in range(KV_HEADS) for p in parts])
+    if name == "gate_up":
+        return torch.cat([p[r] for r in range(2) for p in (t("gate").chunk(2), t("up").chunk(2))])
+    return t(name)
+
+
+def _tp_slice(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(size, dim=dim)[rank]
+
+
+def _engine_shards(rank: int, size: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    tensors = {n: torch.empty(_tp_slice(torch.empty(s), TP_DIMS[n], rank, size).shape)
+               for n, s in ENGINE_SHAPES.items()}
+    shards = {n: (t, dcp_load.tp_offsets(ENGINE_SHAPES[n], TP_DIMS[n], rank, size)) for n, t in tensors.items()}
+    shards["norm"] = dcp_load.Chunk(tensors["norm"], ENGINE_SHAPES["norm"], (0,))
+    return dcp_load.engine_shards(shards, {n: s for n, s in ENGINE_SHAPES.items() if n != "norm"}), tensors
+
+
+def engine_tp(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Trainer FSDP shards into the engine's plain TP shards (fused qkv and gate_up through
+    sources=), twice (the plan kept), then a trainer whose "down" changed shape."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    dst, tensors = _engine_shards(rank, world) if side == "engine" else ({}, {})
+    out: dict[str, Any] = {}
+    for step in range(3):
+        shapes = dict(TP_SHAPES, down=(DIM, FFN - 4)) if step == 2 else TP_SHAPES
+        src = ({n: distribute_tensor(truth(n, step, s), mesh, [Shard(0)]) for n, s in shapes.items()}
+               if side == "trainer" else {})
+        for t in tensors.values():
+            poison(t)
+        try:
+            report = dcp_load.transfer(src, dst, sources=engine_sources(), process_group=group, timeout=60)
+        except dcp_load.LoadError as exc:
+            out[f"error{step}"] = str(exc)
+            out["untouched"] = all(bool((t.view(torch.uint8) == 0x7F).all()) for t in tensors.values())
+            continue
+        out[f"bad{step}"] = [n for n, t in tensors.items()
+                             if not torch.equal(t, _tp_slice(fused_truth(n, step), TP_DIMS[n], rank, world))]
+        out[f"report{step}"] = {"reused": report.plan_reused, "received": report.bytes_received,
+                                "kept": report.bytes_kept, "composed": report.composed}
+    group.close()
+    return out

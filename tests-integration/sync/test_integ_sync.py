@@ -73,3 +73,19 @@ def test_an_engine_rank_that_dies_is_named_in_time():
     for r in [*trainer, engine[0]]:
         assert r["message"] and "rank 3" in r["message"] and r["untouched"], r
         assert r["seconds"] < 30, r
+
+
+def test_engine_plain_tp_shards_fused_from_fsdp_shards():
+    trainer, engine = run_jobs(cases.engine_tp)
+    for rank, r in enumerate(engine):
+        assert r["bad0"] == r["bad1"] == [], (rank, r)
+        assert not r["report0"]["reused"] and r["report1"]["reused"], r
+        assert r["report0"]["received"] == r["report0"]["kept"], r  # every byte from the trainer, once
+        assert dict(r["report0"]["composed"]) == {"qkv": 3, "gate_up": 2}, r
+    for side, per_rank in (("trainer", trainer), ("engine", engine)):
+        for r in per_rank:
+            # the trainer's changed shape is named on every rank of both jobs, before any write
+            message = r["error2"]
+            assert message.startswith("validate failed on 2 rank(s) (ranks 2-3)"), (side, r)
+            assert "ranks 2-3: dst 'down' has shape (8, 16) but its source 'down' gives (8, 12)" in message, r
+    assert all(r["untouched"] for r in engine)

@@ -13,6 +13,7 @@ from .run._report import LoadReport
 from .saving._async import async_save
 from .saving._save import SaveReport, save
 from .saving._staging import release_staging
+from .transferring._engine import engine_shards, tp_offsets
 from .transferring._sync_group import TransferGroup, TransferGroupError, transfer_group
 from .transferring._transfer import TransferReport, transfer
 
@@ -38,11 +39,13 @@ __all__ = [
     "async_save",
     "build_global_plan",
     "convert",
+    "engine_shards",
     "flat_views",
     "load",
     "read_state_dict",
     "release_staging",
     "save",
+    "tp_offsets",
     "transfer",
     "transfer_group",
 ]
