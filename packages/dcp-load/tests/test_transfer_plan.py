@@ -70,6 +70,8 @@ def test_random_layouts_replay_to_the_truth(case):
         assert _inside((p.src_offsets, p.src_sizes), src[p.holder]), p  # sent by a rank that holds it
         holders = [r for r in range(WORLD) if _inside((p.src_offsets, p.src_sizes), src[r])]
         assert (p.holder in p.receivers) == any(r in p.receivers for r in holders), p  # a local copy first
+        # a receiver that holds the piece copies it itself: no broadcast reaches it
+        assert all(r == p.holder or r not in holders for r in p.receivers), p
         index = tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes, strict=True))
         src_index = tuple(slice(o, o + n) for o, n in zip(p.src_offsets, p.src_sizes, strict=True))
         for r in p.receivers:
@@ -98,6 +100,23 @@ def test_replicas_share_the_sending_and_a_wanting_holder_copies():
     by_box = {p.offsets: p for p in plan.pieces}
     assert by_box[(4, 0)].holder == 1 and by_box[(4, 0)].ranks == (1, 3)  # rank 1 wants it: it sends it
     assert by_box[(0, 0)].holder == 0  # the other replica, which has sent nothing yet
+
+
+def test_every_holder_that_wants_a_replicated_piece_copies_it():
+    shape = (4, 4)
+    whole = [((0, 0), shape)]
+    # ranks 0-2 hold the whole tensor and want it, rank 3 wants it only
+    held = _entries("w", shape, "float32", [whole, whole, whole, []])
+    for wanting in ([0, 1, 2], [0, 1, 2, 3]):
+        wanted = _entries("w", shape, "float32", [whole if r in wanting else [] for r in range(WORLD)])
+        plan = plan_transfer(list(zip(held, wanted, strict=True)), source_map=None, allow_cast=True,
+                             batch_bytes=0, stage_bytes=1 << 20)
+        local = sorted(p.holder for p in plan.pieces if p.ranks == (p.holder,))
+        sent = [(p.holder, p.receivers) for p in plan.pieces if len(p.ranks) > 1]
+        if 3 in wanting:  # one holder copies and sends to rank 3; the other two copy
+            assert len(sent) == 1 and sent[0][1] == (sent[0][0], 3) and len(local) == 2, plan.pieces
+        else:
+            assert sent == [] and local == [0, 1, 2], plan.pieces
 
 
 def test_sources_compose_held_boxes_and_casts_travel_narrow():

@@ -8,11 +8,12 @@ distinct boxes the ranks hold (replicas hold the same box) are its chunks, each 
 holders. ``sources=`` composes them exactly as ``load`` composes saved chunks
 (``layouts._sources.compose``), so a fused ``qkv`` destination sees the ``q``, ``k`` and
 ``v`` holders' boxes at their offsets. Each destination box that some ranks want alike (the
-receivers) is cut along those chunks; each piece is sent by one holder: a receiver that
-holds it (it copies locally and sends to the others), else the holder with the fewest bytes
-sent so far, heaviest piece first. A piece moves as one broadcast over the holder and its
-receivers (a two-rank group when one rank needs it), batched with the other small pieces of
-the same group by ``dcp_broadcast.broadcast_items``.
+receivers) is cut along those chunks; every receiver that holds a piece copies it locally,
+and the others get it from one holder: a receiver that holds it (it copies and sends), else
+the holder with the fewest bytes sent so far, heaviest piece first. A piece moves as one
+broadcast over its sender and the receivers that lack it (a two-rank group when one rank
+needs it), batched with the other small pieces of the same group by
+``dcp_broadcast.broadcast_items``.
 """
 
 from __future__ import annotations
@@ -288,24 +289,33 @@ def _at(values: tuple[int, ...], d: int, v: int) -> tuple[int, ...]:
 
 
 def _assign(opens: Sequence[_Open], world: int) -> list[TransferPiece]:
-    """A holder for every piece: a receiver that holds it, else the holder with the fewest
-    bytes sent so far (heaviest piece first, ties to the lower rank). Plan order is kept."""
+    """Who sends each piece: every receiver that holds it copies it itself (a piece of its
+    own, no collective); the receivers that do not hold it get it in one broadcast from a
+    receiver that holds it (it reads the piece for its own copy anyway), else from the
+    holder with the fewest bytes sent so far (heaviest piece first, ties to the lower
+    rank). Plan order is kept; a piece's local copies follow its broadcast."""
     sent = [0] * world
-    holder = [0] * len(opens)
+    sender = [-1] * len(opens)  # -1: every receiver holds it
     for i in sorted(range(len(opens)), key=lambda i: -opens[i].nbytes):
         p = opens[i]
+        if all(r in p.holders for r in p.receivers):
+            continue
         local = [r for r in p.holders if r in p.receivers]
-        pool = local or p.holders
-        best = min(pool, key=lambda r: (sent[r], r))
-        holder[i] = best
-        if any(r != best for r in p.receivers):
-            sent[best] += p.nbytes
+        sender[i] = min(local or p.holders, key=lambda r: (sent[r], r))
+        sent[sender[i]] += p.nbytes
     out = []
-    for p, h in zip(opens, holder, strict=True):
-        ranks = tuple(sorted({h, *p.receivers}))
-        out.append(TransferPiece(p.dst, p.offsets, p.sizes, p.src, p.src_offsets, p.src_sizes, p.insert, h,
-                                 p.receivers, ranks, p.src_dtype, p.dst_dtype, p.wire, p.nbytes))
+    for p, h in zip(opens, sender, strict=True):
+        if h >= 0:  # the sender copies too when it wants the piece
+            receivers = tuple(r for r in p.receivers if r == h or r not in p.holders)
+            out.append(_piece(p, h, receivers))
+        out.extend(_piece(p, r, (r,)) for r in p.receivers if r in p.holders and r != h)
     return out
+
+
+def _piece(p: _Open, holder: int, receivers: tuple[int, ...]) -> TransferPiece:
+    return TransferPiece(p.dst, p.offsets, p.sizes, p.src, p.src_offsets, p.src_sizes, p.insert, holder,
+                         receivers, tuple(sorted({holder, *receivers})), p.src_dtype, p.dst_dtype, p.wire,
+                         p.nbytes)
 
 
 def _rounds(pieces: Sequence[TransferPiece], batch_bytes: int, stage_bytes: int) -> list[tuple[int, int]]:
