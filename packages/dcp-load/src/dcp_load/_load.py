@@ -57,17 +57,15 @@ def load(
     sources: Mapping[str, Any] | None = None,
     process_group: Any = None,
 ) -> LoadReport:
-    """Fill ``state_dict`` in place from ``checkpoint_id`` (a directory or ``s3://`` URI) or an
-    open ``storage_reader``; call on every rank, the n-th call of each rank matched with the
-    n-th of the others. ``storage_reader`` and ``planner`` also take torch DCP's (README,
-    "Coming from torch.distributed.checkpoint"); ``planner``: default none, the byte-level
-    owner rule (README "How it plans"). ``broadcast_replicated_tensors``: ``"auto"`` re-reads on one host and broadcasts
-    across hosts and on object storage; ``True`` always, ``False`` never. ``sources``: renames
-    and ``Concat``/``Stack``/``Slice`` compositions. The README's "API" table describes every
-    argument. Every problem is found before any destination is written; a failure on any
-    rank raises ``LoadError`` on every rank within ``timeout``. ``process_group``: the
-    torch.distributed group to load within (default: the default group); ranks outside it
-    do not call. Returns this rank's report."""
+    """Fill ``state_dict`` in place from ``checkpoint_id`` (a directory or ``s3://`` URI) or an open
+    ``storage_reader``; call on every rank (the n-th calls of all ranks pair up). ``storage_reader`` and
+    ``planner`` also take torch DCP's (README, "Coming from torch.distributed.checkpoint"); default
+    ``planner``: the byte-level owner rule (README "How it plans"). ``broadcast_replicated_tensors``:
+    ``"auto"`` re-reads on one host and broadcasts across hosts and on object storage; ``True`` always,
+    ``False`` never. ``sources``: renames and ``Concat``/``Stack``/``Slice`` compositions. The README's "API"
+    table describes every argument. Every problem is found before any destination is written; a failure on any
+    rank raises ``LoadError`` on every rank within ``timeout``. ``process_group``: the torch.distributed group
+    to load within (default: the default group); ranks outside it do not call. Returns this rank's report."""
     slot = next_load_slot(scope_of(process_group))  # every call counts: the n-th calls of all ranks pair up
     try:
         checkpoint_id, storage_reader, planner, strict = load_arguments(checkpoint_id, storage_reader, planner, strict)
@@ -81,8 +79,7 @@ def load(
         raise
     with coord:
         coord.arrive()
-        collective = coord.watch is not None
-        mode = effective_mode(broadcast_replicated_tensors, checkpoint_id)
+        collective, mode = coord.watch is not None, effective_mode(broadcast_replicated_tensors, checkpoint_id)
         broadcast, phases = collective and bool(mode), Phases(platform.rank())
         prep = open_reader(coord, platform, collective, checkpoint_id, storage_reader, errors, allow_pickle)
         try:
