@@ -212,3 +212,87 @@ def engine_tp(rank: int, world: int, side: str, port: int, sizes: tuple[int, int
                                 "kept": report.bytes_kept, "composed": report.composed}
     group.close()
     return out
+
+
+# -- FP8 blockwise destinations, quantized on the trainer -------------------------------------
+FP8_SHAPES = {"wq": (512, 256), "wk": (256, 256), "wv": (256, 256), "down": (256, 512), "proj": (200, 136),
+              "norm": (256,)}
+FP8_ENGINE = {"qkv": ((1024, 256), 0), "down": ((256, 512), 1), "proj": ((200, 136), None)}
+
+
+def reference_fp8(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block by block: scale = amax / 448 (1 for an all-zero block), q = x / scale as e4m3fn."""
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-rows // block), -(-cols // block))
+    for i in range(0, rows, block):
+        for j in range(0, cols, block):
+            tile = x[i:i + block, j:j + block].float()
+            amax = tile.abs().max()
+            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            scales[i // block, j // block] = scale
+            q[i:i + block, j:j + block] = (tile / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def _fp8_truth(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's full FP8 parameter and scales, from the trainer's bf16 truth by hand."""
+    if name != "qkv":
+        return reference_fp8(truth(name, step, FP8_SHAPES[name]).bfloat16())
+    parts = [reference_fp8(truth(n, step, FP8_SHAPES[n]).bfloat16()) for n in ("wq", "wk", "wv")]
+    fused = []
+    for which in (0, 1):  # q data, then scales: 2 KV groups of q, k, v each
+        chunks = [p[which].view(torch.uint8).chunk(2) for p in parts] if which == 0 else [p[1].chunk(2) for p in parts]
+        fused.append(torch.cat([c[g] for g in range(2) for c in chunks]))
+    return fused[0].view(torch.float8_e4m3fn), fused[1]
+
+
+def _fp8_engine(rank: int, size: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+    shards: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, (shape, dim) in FP8_ENGINE.items():
+        scale_shape = tuple(-(-s // 128) for s in shape)
+        for n, s, dtype in ((name, shape, torch.float8_e4m3fn), (f"{name}_scale_inv", scale_shape, torch.float32)):
+            local = list(s)
+            if dim is not None:
+                local[dim] //= size
+            tensors[n] = torch.empty(local, dtype=dtype)
+            shards[n], shapes[n] = (tensors[n], dcp_load.tp_offsets(s, dim, rank, size)), s
+    tensors["norm"] = torch.empty(FP8_SHAPES["norm"])  # fp32 from bf16: an ordinary cast
+    shards["norm"], shapes["norm"] = (tensors["norm"], (0,)), FP8_SHAPES["norm"]
+    return dcp_load.engine_shards(shards, shapes), tensors
+
+
+def _fp8_bad(tensors: dict[str, torch.Tensor], rank: int, size: int, step: int) -> list[str]:
+    bad = []
+    for name, (_, dim) in FP8_ENGINE.items():
+        q, scales = _fp8_truth(name, step)
+        for n, full in ((name, q.view(torch.uint8)), (f"{name}_scale_inv", scales)):
+            got = tensors[n].view(torch.uint8) if n == name else tensors[n]
+            if not torch.equal(got, _tp_slice(full, dim, rank, size)):
+                bad.append(n)
+    if not torch.equal(tensors["norm"], truth("norm", step, FP8_SHAPES["norm"]).bfloat16().float()):
+        bad.append("norm")
+    return bad
+
+
+def fp8_blockwise(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Trainer bf16 FSDP shards (rows split at multiples of 128; "proj" replicated, with
+    partial blocks) into the engine's FP8 TP shards and their ``_scale_inv``, twice."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    dst, tensors = _fp8_engine(rank, world) if side == "engine" else ({}, {})
+    out: dict[str, Any] = {}
+    sources = {"qkv": dcp_load.Concat(["wq", "wk", "wv"], dim=0, groups=2)}
+    for step in range(2):
+        src = ({n: distribute_tensor(truth(n, step, s).bfloat16(), mesh, [Replicate() if n == "proj" else Shard(0)])
+                for n, s in FP8_SHAPES.items()} if side == "trainer" else {})
+        for t in tensors.values():
+            poison(t)
+        report = dcp_load.transfer(src, dst, sources=sources, process_group=group, timeout=60)
+        out[f"bad{step}"] = _fp8_bad(tensors, rank, world, step) if side == "engine" else []
+        out[f"report{step}"] = {"reused": report.plan_reused, "received": report.bytes_received,
+                                "sent": report.bytes_sent, "kept": report.bytes_kept}
+    group.close()
+    return out

@@ -89,3 +89,14 @@ def test_engine_plain_tp_shards_fused_from_fsdp_shards():
             assert message.startswith("validate failed on 2 rank(s) (ranks 2-3)"), (side, r)
             assert "ranks 2-3: dst 'down' has shape (8, 16) but its source 'down' gives (8, 12)" in message, r
     assert all(r["untouched"] for r in engine)
+
+
+def test_fp8_blockwise_destinations_quantized_on_the_trainer():
+    trainer, engine = run_jobs(cases.fp8_blockwise)
+    for rank, r in enumerate(engine):
+        assert r["bad0"] == r["bad1"] == [], (rank, r)
+        assert not r["report0"]["reused"] and r["report1"]["reused"], r
+        norm = cases.FP8_SHAPES["norm"][0]
+        # FP8 bytes and fp32 scales travel as kept; the fp32 norm arrives as bf16
+        assert r["report0"]["received"] == r["report0"]["kept"] - norm * 2, r
+    assert sum(r["report0"]["sent"] for r in trainer) > 0

@@ -33,9 +33,10 @@ from ..run._coordinate import (
     unusable_cause,
 )
 from ..run._validate import exchange
+from ._fp8 import plan_layouts
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, lazily, mine, move, prepare
-from ._planner import TransferPlan, plan_transfer
+from ._planner import TransferPlan
 
 __all__ = ["TransferReport", "transfer"]
 
@@ -101,6 +102,7 @@ class _Entry:
     sets: list[tuple[int, ...]]
     prepared: Any = None  # this rank's prepared rounds (one round only), for the tensors at ``pointers``
     pointers: Any = None
+    fp8: Any = None  # this rank's ``_fp8.Quantizer`` when the plan has FP8 blockwise destinations
 
 
 _PLANS: OrderedDict[int, _Entry] = OrderedDict()
@@ -254,15 +256,15 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
                              "must pass the same settings"] for r, g in enumerate(gathered) if g[3] != gathered[0][3]},
                         "validate")
     batch_bytes = settings[0]
-    plan = plan_transfer([(g[0], g[1]) for g in gathered], source_map=source_map, allow_cast=settings[2],
-                         batch_bytes=batch_bytes, stage_bytes=max(batch_bytes, 1 << 20) * STAGE_BATCHES)
+    plan, fp8 = plan_layouts([(g[0], g[1]) for g in gathered], source_map, allow_cast=settings[2],
+                             batch_bytes=batch_bytes, stage_bytes=max(batch_bytes, 1 << 20) * STAGE_BATCHES)
     me = platform.rank() if collective else 0
     if plan.errors:  # the same on every rank: the exchange raises it everywhere, naming each rank
         coord.exchange(exchange, plan.errors.get(me, []), "validate", collective=collective)
         raise LoadError(plan.errors, "validate")  # not reached: every rank has the same errors
     return _Entry(job=digest(tuple(g[2] for g in gathered)), plan=plan, src=src.targets, dst=dst.targets,
                   rounds=mine(plan, me, caps.subgroups), groups=GroupManager(platform, watch=coord.waiter),
-                  world=_group_object(platform), outside=(*src.outside, *dst.outside),
+                  world=_group_object(platform), outside=(*src.outside, *dst.outside), fp8=fp8,
                   sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
 
 
@@ -317,6 +319,8 @@ def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
         src_t, dst_t = entry.src, entry.dst
     else:
         src_t, dst_t = with_locals(src, entry.src), with_locals(dst, entry.dst)
+    if entry.fp8 is not None:  # this rank's sources of FP8 blockwise destinations, quantized now
+        src_t = entry.fp8.quantized(src_t)
     planned = time.perf_counter()
     done = False
     try:

@@ -1,0 +1,95 @@
+"""FP8 blockwise destinations of ``transfer`` (transferring/_fp8.py): the quantization
+against a block-by-block reference, and the planning rewrite (who quantizes what, the
+scales' composition, the problems named per rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dcp_load import Concat, Slice
+from dcp_load.layouts._sources import SourceMap
+from dcp_load.transferring._fp8 import derive, plan_layouts, quantize_blockwise
+
+
+def reference(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block by block: scale = amax / 448 (1 for an all-zero block), q = x / scale as e4m3fn."""
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-rows // block), -(-cols // block))
+    for i in range(0, rows, block):
+        for j in range(0, cols, block):
+            tile = x[i:i + block, j:j + block].float()
+            amax = tile.abs().max()
+            scale = amax / 448.0 if amax > 0 else torch.tensor(1.0)
+            scales[i // block, j // block] = scale
+            q[i:i + block, j:j + block] = (tile / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+@pytest.mark.parametrize("shape", [(256, 128), (200, 136), (5, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_matches_the_block_by_block_reference(shape, dtype):
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x[:, :2] = 0  # no block is all zero here, but a zero column must not matter
+    if shape[0] > 128:
+        x[128:, :128] = 0  # an all-zero block: scale 1
+    q, s = quantize_blockwise(x)
+    want_q, want_s = reference(x)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    out, scales = torch.empty_like(q), torch.empty_like(s)
+    quantize_blockwise(x, out, scales)
+    assert torch.equal(out.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scales, s)
+
+
+def _layouts(wq_boxes, qkv_dtype="float8_e4m3fn", scale=True):
+    """2 trainer ranks holding wq, wk, wv (256 rows each, 128 cols); 2 engine ranks wanting qkv."""
+    src = [[("wq", (256, 128), "bfloat16", (wq_boxes[r],)),
+            ("wk", (256, 128), "bfloat16", (((128 * r, 0), (128, 128)),)),
+            ("wv", (256, 128), "bfloat16", (((128 * r, 0), (128, 128)),))] for r in range(2)]
+    dst = [[("qkv", (768, 128), qkv_dtype, (((384 * r, 0), (384, 128)),))]
+           + ([("qkv_scale_inv", (6, 1), "float32", (((3 * r, 0), (3, 1)),))] if scale else []) for r in range(2)]
+    return [(s, []) for s in src] + [([], d) for d in dst]
+
+
+SOURCES = SourceMap({"qkv": Concat(["wq", "wk", "wv"], dim=0, groups=2)}, owner="transfer")
+ALIGNED = [((0, 0), (128, 128)), ((128, 0), (128, 128))]
+
+
+def test_derive_quantizes_the_sources_of_fp8_destinations_and_composes_their_scales():
+    fp8 = derive(_layouts(ALIGNED), SOURCES)
+    assert fp8.errors == {} and set(fp8.quantized) == {"wq", "wk", "wv"}
+    rank1 = dict((e[0], e) for e in fp8.layouts[1][0])
+    assert rank1["wq"][2] == "float8_e4m3fn"
+    assert rank1["wq_scale_inv"] == ("wq_scale_inv", (2, 1), "float32", (((1, 0), (1, 1)),))
+    _, scale_source = fp8.source_map.match("qkv_scale_inv")
+    assert scale_source == Concat(["wq_scale_inv", "wk_scale_inv", "wv_scale_inv"], dim=0, groups=2)
+    plan, quantizer = plan_layouts(_layouts(ALIGNED), SOURCES, allow_cast=True, batch_bytes=0, stage_bytes=1 << 20)
+    assert plan.errors == {} and quantizer is not None
+    assert {p.wire for p in plan.pieces if p.dst == "qkv"} == {"float8_e4m3fn"}  # only FP8 bytes travel
+    assert {p.dst for p in plan.pieces} == {"qkv", "qkv_scale_inv"}
+
+
+def test_without_a_scale_destination_fp8_is_a_plain_cast():
+    assert derive(_layouts(ALIGNED, scale=False), SOURCES) is None
+    assert derive(_layouts(ALIGNED, qkv_dtype="bfloat16"), SOURCES) is None
+
+
+def test_a_box_across_blocks_is_named_with_its_rank():
+    fp8 = derive(_layouts([((0, 0), (100, 128)), ((100, 0), (156, 128))]), SOURCES)
+    assert list(fp8.errors) == [0, 1]
+    assert "src 'wq': the box offsets=(100, 0) sizes=(156, 128)" in fp8.errors[1][0]
+    assert "does not start and end on 128 x 128 blocks" in fp8.errors[1][0]
+    plan, _ = plan_layouts(_layouts([((0, 0), (100, 128)), ((100, 0), (156, 128))]), SOURCES, allow_cast=True,
+                           batch_bytes=0, stage_bytes=1 << 20)
+    assert plan.errors == fp8.errors and not plan.pieces
+
+
+def test_a_sliced_source_and_a_shared_source_are_refused():
+    sliced = SourceMap({"qkv": Slice(Concat(["wq", "wk", "wv", "wq"], dim=0, groups=1), 0, 0, 768)}, owner="t")
+    assert "its source" in derive(_layouts(ALIGNED), sliced).errors[2][0]
+    layouts = _layouts(ALIGNED)
+    layouts[2][1].append(("wq_copy", (256, 128), "bfloat16", (((0, 0), (256, 128)),)))
+    shared = SourceMap({"qkv": Concat(["wq", "wk", "wv"], dim=0, groups=2), "wq_copy": "wq"}, owner="t")
+    errors = derive(layouts, shared).errors
+    assert "src 'wq' feeds the blockwise FP8 dst 'qkv' and also dst 'wq_copy'" in errors[2][0]
