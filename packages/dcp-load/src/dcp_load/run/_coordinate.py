@@ -41,8 +41,8 @@ from .._errors import LoadError
 from ..plan._digest import all_reduce
 from ._validate import exchange
 
-__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "peek_slot", "refused_together",
-           "scope_of", "skip_slot", "timeout_seconds", "unusable_cause"]
+__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "others_moved_on", "peek_slot",
+           "refused_together", "scope_of", "skip_slot", "timeout_seconds", "unusable_cause"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +162,14 @@ def skip_slot(slot: int, cause: str, process_group: Any = None, operation: str =
     both keys."""
     from dcp_platform import Watch
 
-    name = f"dcp-{operation}/{slot}"
     try:
         platform = _torch_platform(process_group)
         if platform is None:
             return
+        scope = scope_of(process_group)
+        while others_moved_on(platform, operation, slot, scope):
+            slot = next_slot(operation, scope)  # this call is the one they wait in (Coordinator.arrive)
+        name = f"dcp-{operation}/{slot}"
         watch = Watch(platform, name)
         watch.abort({watch.rank: [f"{cause} ({operation} call {slot} of this process)"]})
         store = platform.store()
@@ -175,6 +178,18 @@ def skip_slot(slot: int, cause: str, process_group: Any = None, operation: str =
             store.delete_key(f"{name}/skipped")
     except Exception as exc:  # noqa: BLE001 - the others still name this rank after their timeout
         logger.warning("could not tell the other ranks that %s call %d is skipped here: %r", operation, slot, exc)
+
+
+def others_moved_on(platform: Any, operation: str, slot: int, scope: str) -> bool:
+    """Whether the other ranks gave up ``operation`` call ``slot`` without this rank
+    (``Watch.left_behind``) and some rank already made the next call (arrived in it, or
+    refused it): they made one call more than this rank, whose call is that next one."""
+    from dcp_platform import Watch
+
+    if not Watch(platform, f"dcp-{operation}/{slot}").left_behind():
+        return False
+    store, following = platform.store(), f"dcp-{operation}/{peek_slot(operation, scope)}"
+    return any(store.check([f"{following}/{key}"]) for key in ("arrived", "abort"))
 
 
 def refused_together(operation: str, slot: int | None, process_group: Any, step: Any) -> Any:
@@ -266,7 +281,7 @@ class Coordinator:
                 self.watch.arrive(self.timeout)
                 return
             except PeerFailure:
-                if not (self.watch.left_behind() and self._next_call_waits()):
+                if not others_moved_on(self.platform, self.operation, self.slot, self.scope):
                     raise
             logger.info("rank %d: %s was given up by the other ranks before this rank arrived and they wait "
                         "in the next call; this call takes that one", self.watch.rank, self.watch.name)
@@ -274,10 +289,6 @@ class Coordinator:
             self.slot = next_slot(self.operation, self.scope)
             self.watch = self._watch(self.slot)
             self.watch.__enter__()
-
-    def _next_call_waits(self) -> bool:
-        store = self.watch.store
-        return bool(store.check([f"dcp-{self.operation}/{peek_slot(self.operation, self.scope)}/arrived"]))
 
     @property
     def waiter(self) -> Any:
