@@ -41,17 +41,35 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None, stor
     """torch DCP's ``save``: dcp's ``save`` (native format); returns its ``SaveReport``
     (torch returns the checkpoint's ``Metadata``, which callers rarely use)."""
     return _save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                 process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
+                 process_group=process_group, no_dist=no_dist, use_collectives=use_collectives, allow_pickle=True)
 
 
 def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None, storage_writer: Any = None,
                planner: Any = None, process_group: Any = None, async_checkpointer_type: Any = None,
                async_stager: Any = None, no_dist: bool = False, use_collectives: bool = True) -> Any:
     """torch DCP's ``async_save``: dcp's ``async_save``, whose future also has torch's
-    ``staging_completion`` and ``upload_completion``."""
-    return _async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                       process_group=process_group, async_checkpointer_type=async_checkpointer_type,
-                       async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives)
+    ``staging_completion`` and ``upload_completion``. Given a stager that stages in the
+    background (``StagingOptions(use_async_staging=True)``), torch returns an
+    ``AsyncSaveResponse`` instead of a future, and so does this (torchtitan's pinned-memory
+    mode checks for one); its futures are dcp's."""
+    future = _async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                         process_group=process_group, async_checkpointer_type=async_checkpointer_type,
+                         async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives,
+                         allow_pickle=True)
+    if not _stages_in_background(async_stager):
+        return future
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    return AsyncSaveResponse(staging_completion=future.staging_completion, upload_completion=future)
+
+
+def _stages_in_background(stager: Any) -> bool:
+    """Whether torch's ``async_save`` would return an ``AsyncSaveResponse`` for this stager:
+    its ``stage`` returns a future, which torch's ``DefaultStager`` does when its
+    ``StagingOptions.use_async_staging`` is set (read from the stager's options, since dcp
+    never calls ``stage``: it copies what this rank writes itself)."""
+    options = getattr(stager, "_config", None)
+    return bool(getattr(options, "use_async_staging", False))
 
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: _PathLike = None, storage_reader: Any = None,
@@ -59,7 +77,7 @@ def load(state_dict: dict[str, Any], *, checkpoint_id: _PathLike = None, storage
     """torch DCP's ``load``: dcp's ``load`` fills ``state_dict`` in place (and calls each
     Stateful's ``load_state_dict``); returns None, as torch's does."""
     _load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=planner,
-          process_group=process_group, no_dist=no_dist)
+          process_group=process_group, no_dist=no_dist, allow_pickle=True)
 
 
 def _torch_module(name: str) -> Any:
