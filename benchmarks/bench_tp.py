@@ -62,6 +62,7 @@ def cases(model_mib: int) -> dict[str, dict[str, tuple[tuple[int, ...], int]]]:
     return {
         "llama-layers": llama_layers(4, 1024, 2816, 256),
         "rowpar-4096x1024-S1": {"w": ((4096, 1024), 1)},
+        "embed-50304x768-S1": {"w": ((50304, 768), 1)},  # a GPT-2 embedding split along the hidden dim
         "narrow-65536x64-S1": {"w": ((65536, 64), 1)},
         "experts-16x512x512-S2": {"w": ((16, 512, 512), 2)},
         "conv-256x256x3x3-S3": {"w": ((256, 256, 3, 3), 3)},
