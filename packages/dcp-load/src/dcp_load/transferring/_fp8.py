@@ -47,7 +47,10 @@ def quantize_blockwise(x: Any, out: Any = None, scales: Any = None, block: int =
     padded[:rows, :cols] = x
     tiles = padded.view(nr, block, nc, block)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor, not a Python number: CUDA divides by a number as a multiplication by
+    # its reciprocal (torch 2.11 on an H200: the last bit of about half the scales differed
+    # from the CPU's), and sender and reference must agree to the bit on every device
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(nr * block, nc * block)
     q = q[:rows, :cols].to(torch.float8_e4m3fn)
     if out is None:
