@@ -13,11 +13,23 @@ barrier); per engine rank, the bytes it received against the bytes it keeps; per
 peak extra resident memory (VmHWM after the method minus VmRSS before, the high-water mark
 reset through /proc/self/clear_refs); collectives per engine rank (torch DCP: not counted).
 ``transfer (reused)`` is the second transfer between the same layouts (plan kept).
+
+    .venv/bin/python benchmarks/bench_transfer.py --jobs [--repeats 3] [--bucket-mib 32] ...
+
+``--jobs``: the trainer and the engine as two jobs launched apart (2 ranks each, each job
+its own default gloo group), joined by ``dcp_load.transfer_group`` through a TCPStore on
+127.0.0.1; the engine holds plain TP shards (``engine_shards``). Against the way RL
+frameworks sync today: every trainer rank takes part in ``full_tensor()``, trainer rank 0
+broadcasts the full tensors in buckets of ``--bucket-mib`` to a group of itself and the
+engine ranks, and each engine rank slices its shard. Per method: the slowest rank's time
+(median over the repeats), bytes received per engine rank / bytes it keeps, peak extra
+resident memory, and the values checked.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -208,15 +220,165 @@ def _table(per_rank: list[dict[str, Any]], name: str) -> list[str]:
     return lines
 
 
+# -- two jobs launched apart, joined by dcp_load.transfer_group --------------------------------
+
+
+def _sync_layouts(model: dict[str, tuple[int, int]], side: str, rank: int, mesh: Any) -> tuple[Any, Any, Any]:
+    """Trainer: FSDP2 ``Shard(0)`` DTensors. Engine: plain TP shards (even tensors rows, odd
+    ones columns) as ``engine_shards``, and the plain tensors themselves."""
+    import dcp_load
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if side == "trainer":
+        return {n: distribute_tensor(_value(n, s, 0), mesh, [Shard(0)], src_data_rank=None)
+                for n, s in model.items()}, {}, {}
+    plain = {n: torch.zeros(s, dtype=torch.bfloat16).chunk(2, i % 2)[rank].contiguous()
+             for i, (n, s) in enumerate(model.items())}
+    shards = {n: (t, dcp_load.tp_offsets(model[n], i % 2, rank, 2)) for i, (n, t) in enumerate(plain.items())}
+    return {}, dcp_load.engine_shards(shards, model), plain
+
+
+def _bucketed(src: Any, plain: Any, side: str, rank: int, model: dict[str, Any], group: Any,
+              bucket_bytes: int) -> dict[str, int]:
+    """How RL frameworks sync today: every trainer rank takes part in ``full_tensor()``, trainer
+    rank 0 packs the full tensors into buckets and broadcasts each to a group of itself and
+    the engine ranks; each engine rank slices its shard out of every bucket."""
+    received = 0
+    names = list(model)
+    while names:
+        batch, size = [], 0
+        while names and (not batch or size + math.prod(model[names[0]]) * 2 <= bucket_bytes):
+            batch.append(names.pop(0))
+            size += math.prod(model[batch[-1]]) * 2
+        fulls = [src[n].full_tensor() for n in batch] if side == "trainer" else []
+        if group is None:  # trainer ranks other than 0 are not in the broadcast group
+            continue
+        flat = (torch.cat([f.reshape(-1) for f in fulls]) if fulls else torch.empty(size // 2, dtype=torch.bfloat16))
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        group.broadcast([flat], opts).wait()
+        if side == "engine":
+            received += flat.numel() * 2
+            at = 0
+            for n in batch:
+                full = flat[at:at + math.prod(model[n])].view(model[n])
+                at += full.numel()
+                plain[n].copy_(full.chunk(2, _split_dim(n))[rank])
+    return {"received": received}
+
+
+def _split_dim(name: str) -> int:
+    """The dimension an engine rank splits ``layer.NNNN.weight`` along: rows for even NNNN."""
+    return int(name.split(".")[1]) % 2
+
+
+def _sync_methods(side: str, rank: int, model: dict[str, Any], mesh: Any, groups: dict[str, Any],
+                  bucket_bytes: int) -> dict[str, Any]:
+    src, dst, plain = _sync_layouts(model, side, rank, mesh)
+    methods = {
+        "gather + bucket broadcast": lambda: _bucketed(src, plain, side, rank, model, groups["baseline"],
+                                                       bucket_bytes),
+        "transfer (first)": lambda: _sync_transfer(src, dst, groups["sync"], True),
+        "transfer (reused)": lambda: _sync_transfer(src, dst, groups["sync"], False),
+    }
+    out = {}
+    for label, fn in methods.items():
+        for t in plain.values():
+            t.fill_(float("nan"))
+        _sync_barrier(groups["sync"])
+        before, peak_ok = _status("VmRSS"), _reset_peak()
+        t0 = time.perf_counter()
+        got = fn()
+        seconds = time.perf_counter() - t0
+        extra = _status("VmHWM") - before if peak_ok else -1
+        ok = all(torch.equal(t, _value(n, model[n], 0).chunk(2, _split_dim(n))[rank])
+                 for n, t in plain.items())
+        out[label] = {"seconds": seconds, "extra": extra, "ok": ok, "side": side,
+                      "kept": sum(t.numel() * 2 for t in plain.values()), **got}
+    return out
+
+
+def _sync_transfer(src: Any, dst: Any, group: Any, keep: bool) -> dict[str, int]:
+    import dcp_load
+
+    report = dcp_load.transfer(src, dst, process_group=group, keep_plan=keep)
+    return {"received": report.bytes_received}
+
+
+def _sync_barrier(group: Any) -> None:
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def _sync_job(rank: int, world: int, side: str, ports: tuple[int, int], specs: dict[str, Any], repeats: int,
+              bucket_bytes: int) -> dict[str, Any]:
+    """One rank of the trainer job or of the engine job (each its own default group)."""
+    import dcp_load
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    groups = {"sync": dcp_load.transfer_group("127.0.0.1", ports[0], side=side, rank=rank, world_sizes=(2, 2),
+                                              timeout=600)}
+    # the baseline's group: trainer rank 0 and the engine ranks, as RL frameworks build it
+    groups["baseline"] = None if side == "trainer" and rank else dcp_load.transfer_group(
+        "127.0.0.1", ports[1], side=side, rank=rank, world_sizes=(1, 2), timeout=600, name="baseline")
+    out = {name: [_sync_methods(side, rank, _model(count, nbytes), mesh, groups, bucket_bytes)
+                  for _ in range(repeats)] for name, (count, nbytes) in specs.items()}
+    _sync_barrier(groups["sync"])
+    return out
+
+
+def _sync_table(trainer: list[Any], engine: list[Any], name: str) -> list[str]:
+    ranks = [r[name] for r in [*trainer, *engine]]
+    lines = [f"== two jobs (2 trainer + 2 engine ranks, plain TP shards): {name} ==",
+             f"{'method':26} {'seconds':>8} {'x bucket':>8} {'recv/kept':>9} {'peak extra MiB':>14}  values"]
+    base = None
+    for label in ranks[0][0]:
+        secs = statistics.median(max(r[i][label]["seconds"] for r in ranks) for i in range(len(ranks[0])))
+        base = base or secs
+        last = [r[-1][label] for r in ranks]
+        ratio = max(e["received"] / e["kept"] for e in last if e["side"] == "engine")
+        extra = max(x["extra"] for x in last) / 2**20
+        ok = all(x["ok"] for x in last)
+        lines.append(f"{label:26} {secs:8.3f} {secs / base:8.2f} {ratio:9.3f} {extra:14.1f}  "
+                     f"{'exact' if ok else 'WRONG'}")
+    return lines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_jobs(specs: dict[str, Any], repeats: int, bucket_bytes: int) -> tuple[list[Any], list[Any]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    ports = (_free_port(), _free_port())
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_ranks, _sync_job, 2, side, ports, specs, repeats, bucket_bytes, timeout=1800)
+                for side in ("trainer", "engine")]
+        return jobs[0].result(), jobs[1].result()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--large", type=int, default=16, help="tensors of the large model")
     p.add_argument("--large-mib", type=int, default=8, help="MiB per tensor of the large model")
     p.add_argument("--small", type=int, default=2000, help="4 KiB tensors of the small model")
+    p.add_argument("--jobs", action="store_true", help="the two-jobs case alone (transfer_group)")
+    p.add_argument("--bucket-mib", type=int, default=32, help="the two-jobs baseline's bucket")
     args = p.parse_args()
     specs = {f"{args.large} x {args.large_mib} MiB": (args.large, args.large_mib << 20),
              f"{args.small} x 4 KiB": (args.small, SMALL_BYTES)}
+    if args.jobs:
+        trainer, engine = _two_jobs(specs, args.repeats, args.bucket_mib << 20)
+        for name in specs:
+            print("\n".join(_sync_table(trainer, engine, name)))
+            print()
+        return
     root = tempfile.mkdtemp(prefix="dcp-bench-transfer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         per_rank = run_ranks(_bench, WORLD, specs, args.repeats, root, timeout=1800)
