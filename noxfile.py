@@ -52,7 +52,8 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3", "matplotlib>=3.
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore", "packages-alone"]
+nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore", "tests-torchtitan",
+                        "packages-alone"]
 
 
 #: What each package needs of its siblings (its declared dependencies, transitively).
@@ -94,7 +95,7 @@ def _pytest(session: nox.Session, marker: str) -> None:
 def tests_torch(session: nox.Session) -> None:
     """Unit and multi-rank tests on torch CPU with real gloo ranks."""
     _install(session, *TEST_DEPS)
-    _pytest(session, "not mindspore and not ascend and not cuda")
+    _pytest(session, "not mindspore and not ascend and not cuda and not torchtitan")
 
 
 @nox.session(name="tests-ascend", python=PYTHON)
@@ -109,6 +110,13 @@ def tests_mindspore(session: nox.Session) -> None:
     """MindSpore backend tests with real multi-process MindSpore workers on CPU."""
     _install(session, *TEST_DEPS, *MINDSPORE)
     _pytest(session, "mindspore")
+
+
+@nox.session(name="tests-torchtitan", python=PYTHON)
+def tests_torchtitan(session: nox.Session) -> None:
+    """torchtitan's checkpoint manager with dcp_load.torch_compat swapped in, on gloo ranks."""
+    _install(session, *TEST_DEPS, "torchtitan==0.3.0")
+    _pytest(session, "torchtitan")
 
 
 @nox.session(name="tests-cuda", python=PYTHON)

@@ -232,3 +232,39 @@ def resume(rank: int, world: int, root: str) -> dict[str, Any]:
                 mgr.close()
             out[f"{impl}-{mode}"] = snapshot(parts)
     return out
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        yield from range(100)
+
+
+def per_rank_dataloader(rank: int, world: int, root: str) -> dict[str, Any]:
+    """torchtitan's ``ParallelAwareDataloader`` keeps its state under ``dp_rank_<r>``, a key
+    of each rank's own; dcp stores non-tensor values from rank 0, so each save mode refuses
+    on every rank, naming the key, and commits nothing."""
+    from dcp_load import LoadError
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    parts = build(seed=3, trained_steps=1)
+    loader = ParallelAwareDataloader(_Numbers(), dp_rank=rank, dp_world_size=world, batch_size=4)
+    next(iter(loader))
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        with checkpoint_module("dcp") as titan:
+            cfg = titan.CheckpointManager.Config(enable=True, folder=f"loader-{mode}", interval=1, keep_latest_k=0,
+                                                 async_mode=mode)
+            mgr = titan.CheckpointManager(cfg, dataloader=loader, model_parts=[parts["model"]],
+                                          optimizers=parts["optimizers"], lr_schedulers=parts["schedulers"],
+                                          states={}, sd_adapter=None, base_folder=root)
+            t0 = time.perf_counter()
+            try:
+                mgr.save(curr_step=1)
+                mgr.maybe_wait_for_saving()
+                out[mode] = ("saved", "", 0.0)
+            except LoadError as exc:
+                out[mode] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
+            mgr.close()
+        step = os.path.join(root, f"loader-{mode}", "step-1")
+        out[f"{mode}_committed"] = os.path.exists(os.path.join(step, "dcp-metadata.json"))
+    return out

@@ -75,3 +75,12 @@ def test_resume_at_another_world_size(saved, world):
             # write: a resume with load_step=-1 would start afresh (README, "Coming from
             # torch.distributed.checkpoint"); load(step=N) is what finds dcp's checkpoints.
             assert r["latest"] == {"torch-disabled": 1, "torch-async": 1, "dcp-disabled": -1, "dcp-async": -1}
+
+
+def test_per_rank_dataloader_state_is_refused_on_every_rank(tmp_path):
+    per_rank = run_ranks(cases.per_rank_dataloader, 2, str(tmp_path), timeout=300, pg_timeout=240)
+    for r in per_rank:
+        for mode in cases.MODES:
+            kind, text, seconds = r[mode]
+            assert kind == "LoadError" and "dataloader.dp_rank_1" in text and seconds < 30, r
+            assert "rank 0 writes the values" in text and r[f"{mode}_committed"] is False, r
