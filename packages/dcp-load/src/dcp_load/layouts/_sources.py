@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Concat", "Slice", "Source", "SourceError", "SourceMap", "Stack", "Piece", "compose",
-           "describe", "leaves", "map_leaves"]
+           "describe", "leaves", "map_leaves", "sources_text"]
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -109,6 +109,15 @@ def describe(source: Any) -> str:
     parts = ", ".join(describe(p) for p in source.parts[:3]) + (", ..." if len(source.parts) > 3 else "")
     extra = f", groups={source.groups}" if isinstance(source, Concat) and source.groups != 1 else ""
     return f"{type(source).__name__}([{parts}], dim={source.dim}{extra})"
+
+
+def sources_text(sources: Any) -> str:
+    """``sources=`` as the text ranks compare: entries in key order, since the order a
+    mapping was built in does not change what it maps (``SourceMap.match`` finds at most
+    one entry per destination, whatever their order)."""
+    if not isinstance(sources, Mapping):
+        return repr(sources)
+    return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in sorted(sources.items(), key=lambda kv: repr(kv[0]))) + "}"
 
 
 def leaves(source: Any) -> list[str]:

@@ -21,7 +21,7 @@ from dcp_platform import PeerFailure
 
 from .._errors import LoadError
 from .._load import DEFAULT_BATCH_BYTES, fallback_platform, resolve_platform
-from ..layouts._sources import SourceMap
+from ..layouts._sources import SourceMap, sources_text
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce, digest
 from ..run._coordinate import (
@@ -209,7 +209,7 @@ def transfer(
     collective = platform.is_distributed()
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
-    settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), repr(sources), STAGE_BATCHES)
+    settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES)
     with coord:
         coord.phase = "validate"
         coord.arrive()
@@ -238,6 +238,16 @@ def _agree(coord: Coordinator, platform: Any, collective: bool, key: int, failed
     return entry if same else None
 
 
+_SETTINGS = ("batch_bytes", "max_in_flight", "allow_dtype_cast", "sources", "staging")
+
+
+def _settings_differ(mine: tuple[Any, ...], first: tuple[Any, ...]) -> str:
+    """The transfer settings in which a rank differs from rank 0, named, for the refusal."""
+    shown = [f"{name}={a!s:.300} (rank 0: {b!s:.300})" for name, a, b in zip(_SETTINGS, mine, first, strict=True)
+             if a != b]
+    return f"transfer settings differ from rank 0's: {'; '.join(shown)}; every rank must pass the same settings"
+
+
 def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
               key: int, settings: tuple[Any, ...], source_map: SourceMap | None) -> _Entry:
     """Gather every rank's layout (one all-gather), check it and plan; every problem raises
@@ -251,10 +261,8 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
     gathered = coord.exchange(exchange, errors, "validate", collective=collective,
                               payload=(entries(src), entries(dst), key, settings))
     if len({g[3] for g in gathered}) > 1:
-        raise LoadError({r: [f"transfer settings (batch_bytes, max_in_flight, allow_dtype_cast, sources, "
-                             f"staging) {g[3]!r:.300} differ from rank 0's {gathered[0][3]!r:.300}; every rank "
-                             "must pass the same settings"] for r, g in enumerate(gathered) if g[3] != gathered[0][3]},
-                        "validate")
+        raise LoadError({r: [_settings_differ(g[3], gathered[0][3])] for r, g in enumerate(gathered)
+                         if g[3] != gathered[0][3]}, "validate")
     batch_bytes = settings[0]
     plan, fp8 = plan_layouts([(g[0], g[1]) for g in gathered], source_map, allow_cast=settings[2],
                              batch_bytes=batch_bytes, stage_bytes=max(batch_bytes, 1 << 20) * STAGE_BATCHES)
