@@ -123,19 +123,52 @@ def test_a_corrupt_block_on_two_threads_raises_and_closes_the_sibling(tmp_path, 
 
 def test_a_load_gives_memory_back_at_most_once_per_interval(tmp_path, monkeypatch):
     """The reading threads' free arena memory goes back to the system (glibc
-    ``malloc_trim(0)``) at the end of a load, at most once per ``TRIM_EVERY_S``."""
+    ``malloc_trim(0)``) at the end of a load, at most once per ``TRIM_EVERY_S`` while the
+    anonymous memory grows less than ``TRIM_GROWTH_BYTES``."""
     import sys
 
     import dcp_load.run._execute as ex
 
     if sys.platform.startswith("linux"):
         assert ex._malloc_trim() is not None  # glibc here: the function is found
+        assert ex.anonymous_bytes() > 0
     calls: list[int] = []
-    monkeypatch.setattr(ex, "_TRIM", [calls.append, -ex.TRIM_EVERY_S])
+    monkeypatch.setattr(ex, "TRIM_GROWTH_BYTES", 1 << 40)
+    monkeypatch.setattr(ex, "_TRIM", [calls.append, -ex.TRIM_EVERY_S, 0])
     save_file({"w": torch.ones(8, 4)}, str(tmp_path / "model.safetensors"))
     for _ in range(3):
         dcp_load.load({"w": torch.zeros(8, 4)}, checkpoint_id=str(tmp_path))
     assert calls == [0]
     monkeypatch.setattr(ex, "TRIM_EVERY_S", 0.0)
     dcp_load.load({"w": torch.zeros(8, 4)}, checkpoint_id=str(tmp_path))
+    assert calls == [0, 0]
+
+
+def test_a_load_gives_memory_back_once_it_grew(tmp_path, monkeypatch):
+    """Within the interval, a load that ends with ``TRIM_GROWTH_BYTES`` more anonymous
+    memory than the least seen since the last trim trims at once (a burst of loads kept
+    what their threads freed); memory freed meanwhile lowers that mark."""
+    import dcp_load.run._execute as ex
+
+    calls: list[int] = []
+    anon = [100 << 20]
+    monkeypatch.setattr(ex, "anonymous_bytes", lambda: anon[0])
+    monkeypatch.setattr(ex, "_TRIM", [calls.append, -ex.TRIM_EVERY_S, 0])
+    save_file({"w": torch.ones(8, 4)}, str(tmp_path / "model.safetensors"))
+
+    def load() -> None:
+        dcp_load.load({"w": torch.zeros(8, 4)}, checkpoint_id=str(tmp_path))
+
+    load()
+    assert calls == [0]  # the first load: the interval has passed
+    anon[0] += ex.TRIM_GROWTH_BYTES - 1
+    load()
+    assert calls == [0]
+    anon[0] -= 4 << 20  # the caller freed memory: the mark goes down with it
+    load()
+    anon[0] += ex.TRIM_GROWTH_BYTES
+    load()
+    assert calls == [0, 0]
+    assert ex._TRIM[2] == anon[0]  # measured again after the trim
+    load()
     assert calls == [0, 0]
