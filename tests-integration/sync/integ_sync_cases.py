@@ -296,3 +296,47 @@ def fp8_blockwise(rank: int, world: int, side: str, port: int, sizes: tuple[int,
                                 "sent": report.bytes_sent, "kept": report.bytes_kept}
     group.close()
     return out
+
+
+def delta_updates(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """``delta=True``: the first transfer sends everything; after one trainer tensor changed
+    only its pieces travel (the engine's other destinations, poisoned, stay poisoned: not
+    written); with nothing changed nothing travels; one element changed moves one piece.
+    Engine rank r holds columns [4r, 4r + 4) of each tensor, as plain shards."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    names = ("wq", "wk", "wv", "wo")
+    src = {n: distribute_tensor(truth(n), mesh, [Shard(0)]) for n in names} if side == "trainer" else {}
+    dst = {n: torch.empty(SHAPES[n]).chunk(2, 1)[rank].contiguous() for n in names} if side == "engine" else {}
+    shards = dcp_load.engine_shards({n: (t, (0, rank * t.shape[1])) for n, t in dst.items()},
+                                    {n: SHAPES[n] for n in dst})
+    out: dict[str, Any] = {}
+    now = {n: truth(n) for n in names}  # the trainer's values, as the engine should see them
+
+    def run(label: str, poisoned: tuple[str, ...]) -> None:
+        for n in poisoned:
+            if n in dst:
+                poison(dst[n])
+        report = dcp_load.transfer(src, shards, process_group=group, delta=True, timeout=60)
+        out[label] = {"received": report.bytes_received, "sent": report.bytes_sent,
+                      "broadcasts": report.broadcasts, "reused": report.plan_reused,
+                      "poisoned": sorted(n for n, t in dst.items() if bool((t.view(torch.uint8) == 0x7F).all())),
+                      "exact": sorted(n for n, t in dst.items() if torch.equal(t, now[n].chunk(2, 1)[rank]))}
+
+    run("first", names)
+    now["wo"] = truth("wo", 1)
+    if side == "trainer":
+        with torch.no_grad():
+            src["wo"].to_local().copy_(now["wo"].chunk(2)[rank])
+    run("one_changed", ("wq", "wk", "wv"))
+    run("none_changed", names)
+    for n in names:
+        if n in dst:
+            dst[n].copy_(now[n].chunk(2, 1)[rank])  # the engine's values back, as sent before
+    now["wq"][8, 0] += 1  # one element of the trainer's second half of wq
+    if side == "trainer" and rank == 1:
+        with torch.no_grad():
+            src["wq"].to_local()[0, 0] += 1
+    run("one_element", ())
+    group.close()
+    return out

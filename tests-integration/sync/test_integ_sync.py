@@ -100,3 +100,22 @@ def test_fp8_blockwise_destinations_quantized_on_the_trainer():
         # FP8 bytes and fp32 scales travel as kept; the fp32 norm arrives as bf16
         assert r["report0"]["received"] == r["report0"]["kept"] - norm * 2, r
     assert sum(r["report0"]["sent"] for r in trainer) > 0
+
+
+def test_delta_sends_only_what_changed():
+    trainer, engine = run_jobs(cases.delta_updates)
+    half = {n: cases.SHAPES[n][0] * cases.SHAPES[n][1] * 4 // 2 for n in ("wq", "wk", "wv", "wo")}  # per engine rank
+    every = ["wk", "wo", "wq", "wv"]
+    for rank, r in enumerate(engine):
+        assert r["first"]["received"] == sum(half[n] for n in every) and r["first"]["exact"] == every, r
+        # wo changed: only its bytes travel; the poisoned others were not written
+        one = r["one_changed"]
+        assert one["received"] == half["wo"] and one["reused"] and one["exact"] == ["wo"], r
+        assert one["poisoned"] == ["wk", "wq", "wv"], r
+        # nothing changed: nothing travels, every destination keeps what it had (poisoned here)
+        assert r["none_changed"]["received"] == 0 and r["none_changed"]["broadcasts"] == 0, r
+        assert r["none_changed"]["poisoned"] == every, r
+        # wq[8, 0] changed (trainer rank 1's rows 8-15): the piece of engine rank 0's columns alone
+        assert r["one_element"]["received"] == (half["wq"] // 2 if rank == 0 else 0), r
+        assert r["one_element"]["exact"] == every, r
+    assert sum(r["none_changed"]["sent"] for r in trainer) == 0

@@ -33,6 +33,7 @@ from ..run._coordinate import (
     unusable_cause,
 )
 from ..run._validate import exchange
+from ._delta import Delta
 from ._fp8 import plan_layouts
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, lazily, mine, move, prepare
@@ -103,6 +104,7 @@ class _Entry:
     prepared: Any = None  # this rank's prepared rounds (one round only), for the tensors at ``pointers``
     pointers: Any = None
     fp8: Any = None  # this rank's ``_fp8.Quantizer`` when the plan has FP8 blockwise destinations
+    delta: Any = None  # ``_delta.Delta`` of a plan made with delta=True
 
 
 _PLANS: OrderedDict[int, _Entry] = OrderedDict()
@@ -162,6 +164,7 @@ def transfer(
     timeout: Any = None,
     keep_plan: bool = True,
     process_group: Any = None,
+    delta: bool = False,
 ) -> TransferReport:
     """Fill ``dst`` in place with the values that the ranks' ``src`` hold; call on every rank.
 
@@ -187,7 +190,9 @@ def transfer(
     is written. ``process_group``: the torch.distributed group to transfer within (default:
     the default group; plans and groups are kept per group); ranks outside it do not call.
     Every call counts, so that the n-th transfer of every rank shares one name: a rank whose
-    arguments are refused here tells the others at once. Returns this rank's ``TransferReport``.
+    arguments are refused here tells the others at once. ``delta``: send only the pieces whose
+    values changed since the last transfer of this plan (``_delta``; the first sends all).
+    Returns this rank's ``TransferReport``.
     """
     slot = next_slot("transfer", scope_of(process_group))
     refused_together("transfer", slot, process_group,
@@ -209,7 +214,7 @@ def transfer(
     collective = platform.is_distributed()
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
-    settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES)
+    settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES, bool(delta))
     with coord:
         coord.phase = "validate"
         coord.arrive()
@@ -238,7 +243,7 @@ def _agree(coord: Coordinator, platform: Any, collective: bool, key: int, failed
     return entry if same else None
 
 
-_SETTINGS = ("batch_bytes", "max_in_flight", "allow_dtype_cast", "sources", "staging")
+_SETTINGS = ("batch_bytes", "max_in_flight", "allow_dtype_cast", "sources", "staging", "delta")
 
 
 def _settings_differ(mine: tuple[Any, ...], first: tuple[Any, ...]) -> str:
@@ -273,6 +278,7 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
     return _Entry(job=digest(tuple(g[2] for g in gathered)), plan=plan, src=src.targets, dst=dst.targets,
                   rounds=mine(plan, me, caps.subgroups), groups=GroupManager(platform, watch=coord.waiter),
                   world=_group_object(platform), outside=(*src.outside, *dst.outside), fp8=fp8,
+                  delta=Delta(me, max(batch_bytes, 1 << 20) * STAGE_BATCHES) if settings[5] else None,
                   sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
 
 
@@ -284,8 +290,15 @@ def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str,
     try:
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
-        return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
-                    groups=entry.groups, watch=coord.waiter)
+        if entry.delta is None:
+            return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
+                        groups=entry.groups, watch=coord.waiter)
+        steps = entry.delta.steps(platform, entry.plan, src, dst, collective=platform.is_distributed(),
+                                  subgroups=platform.capabilities.subgroups, batch_bytes=batch_bytes,
+                                  watch=coord.waiter)
+        stats = move(platform, steps, max_in_flight=max_in_flight, groups=entry.groups, watch=coord.waiter)
+        entry.delta.sent_now(entry.plan, src)
+        return stats
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:
