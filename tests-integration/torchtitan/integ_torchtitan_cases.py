@@ -234,37 +234,60 @@ def resume(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+
 class _Numbers(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[int]:
-        yield from range(100)
+        yield from range(1000)
 
 
-def per_rank_dataloader(rank: int, world: int, root: str) -> dict[str, Any]:
-    """torchtitan's ``ParallelAwareDataloader`` keeps its state under ``dp_rank_<r>``, a key
-    of each rank's own; dcp stores non-tensor values from rank 0, so each save mode refuses
-    on every rank, naming the key, and commits nothing."""
-    from dcp_load import LoadError
+def _loader(rank: int, world: int, batches: int) -> Any:
+    """torchtitan's ``ParallelAwareDataloader`` (state under ``dp_rank_<rank>``, bytes), with
+    ``batches`` batches taken; each rank's numbers differ."""
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
+    class Offset(_Numbers):
+        def __iter__(self) -> Iterator[int]:
+            yield from (100 * rank + i for i in range(1000))
+
+    loader = ParallelAwareDataloader(Offset(), dp_rank=rank, dp_world_size=world, batch_size=4)
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    return loader
+
+
+def _loader_manager(titan: Any, parts: dict[str, Any], loader: Any, root: str, folder: str, **config: Any) -> Any:
+    cfg = titan.CheckpointManager.Config(enable=True, folder=folder, interval=1, keep_latest_k=0, **config)
+    return titan.CheckpointManager(cfg, dataloader=loader, model_parts=[parts["model"]], optimizers=parts["optimizers"],
+                                   lr_schedulers=parts["schedulers"], states={}, sd_adapter=None, base_folder=root)
+
+
+def save_with_dataloader(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each implementation and mode saves step 1 with the dataloader 3 batches in."""
     parts = build(seed=3, trained_steps=1)
-    loader = ParallelAwareDataloader(_Numbers(), dp_rank=rank, dp_world_size=world, batch_size=4)
-    next(iter(loader))
-    out: dict[str, Any] = {}
-    for mode in MODES:
-        with checkpoint_module("dcp") as titan:
-            cfg = titan.CheckpointManager.Config(enable=True, folder=f"loader-{mode}", interval=1, keep_latest_k=0,
-                                                 async_mode=mode)
-            mgr = titan.CheckpointManager(cfg, dataloader=loader, model_parts=[parts["model"]],
-                                          optimizers=parts["optimizers"], lr_schedulers=parts["schedulers"],
-                                          states={}, sd_adapter=None, base_folder=root)
-            t0 = time.perf_counter()
-            try:
-                mgr.save(curr_step=1)
+    loader = _loader(rank, world, batches=3)
+    for impl in ("torch", "dcp"):
+        for mode in MODES:
+            with checkpoint_module(impl) as titan:
+                mgr = _loader_manager(titan, parts, loader, root, f"loader-{impl}-{mode}", async_mode=mode)
+                assert mgr.save(curr_step=1)
                 mgr.maybe_wait_for_saving()
-                out[mode] = ("saved", "", 0.0)
-            except LoadError as exc:
-                out[mode] = (type(exc).__name__, str(exc), time.perf_counter() - t0)
-            mgr.close()
-        step = os.path.join(root, f"loader-{mode}", "step-1")
-        out[f"{mode}_committed"] = os.path.exists(os.path.join(step, "dcp-metadata.json"))
+                mgr.close()
+    return {"rank": rank}
+
+
+def resume_with_dataloader(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A new launch: a fresh dataloader (at its start) per checkpoint, loaded by torchtitan;
+    the batch each gives next."""
+    out: dict[str, Any] = {}
+    for impl in ("torch", "dcp"):
+        for mode in MODES:
+            parts = build(seed=9, trained_steps=0)
+            poison(parts)
+            loader = _loader(rank, world, batches=0)
+            with checkpoint_module(impl) as titan:
+                mgr = _loader_manager(titan, parts, loader, root, f"loader-{impl}-{mode}")
+                assert mgr.load(step=1)
+                mgr.close()
+            out[f"{impl}-{mode}"] = next(iter(loader)).numpy()
     return out

@@ -3,7 +3,8 @@ torch.distributed.checkpoint (integ_torchtitan_cases): on 2 real gloo ranks with
 model it saves (synchronously and with torchtitan's async mode) and loads Hugging Face files
 through its storage reader; a new launch at another world size resumes each checkpoint into
 poisoned targets. Every value equals what the same flow gives with torch DCP, and what was
-saved."""
+saved. With torchtitan's dataloader (state under a key of each rank's own), each rank
+resumes at its own next batch, as with torch DCP."""
 
 from __future__ import annotations
 
@@ -77,10 +78,15 @@ def test_resume_at_another_world_size(saved, world):
             assert r["latest"] == {"torch-disabled": 1, "torch-async": 1, "dcp-disabled": -1, "dcp-async": -1}
 
 
-def test_per_rank_dataloader_state_is_refused_on_every_rank(tmp_path):
-    per_rank = run_ranks(cases.per_rank_dataloader, 2, str(tmp_path), timeout=300, pg_timeout=240)
-    for r in per_rank:
+
+def test_per_rank_dataloader_state_resumes_as_with_torch_dcp(tmp_path):
+    """torchtitan's dataloader keeps its state under a key of each rank's own: rank 1's is
+    saved too (from rank 1), and each rank resumes at its own next batch (3 batches of 4
+    were taken before the save)."""
+    saved = run_ranks(cases.save_with_dataloader, 2, str(tmp_path), timeout=300, pg_timeout=240)
+    resumed = run_ranks(cases.resume_with_dataloader, 2, str(tmp_path), timeout=300, pg_timeout=240)
+    assert [r["rank"] for r in saved] == [0, 1]
+    for rank, after in enumerate(resumed):
         for mode in cases.MODES:
-            kind, text, seconds = r[mode]
-            assert kind == "LoadError" and "dataloader.dp_rank_1" in text and seconds < 30, r
-            assert "rank 0 writes the values" in text and r[f"{mode}_committed"] is False, r
+            assert after[f"torch-{mode}"].tolist() == after[f"dcp-{mode}"].tolist() == [
+                100 * rank + i for i in range(12, 16)], (rank, mode, after)

@@ -28,6 +28,7 @@ from typing import Any
 
 from ._load import load as _load
 from .saving._async import async_save as _async_save
+from .saving._rank_values import with_other_ranks_values
 from .saving._save import save as _save
 
 __all__ = ["async_save", "load", "save", "state_dict_loader", "state_dict_saver"]
@@ -39,7 +40,10 @@ def save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None, stor
          planner: Any = None, process_group: Any = None, no_dist: bool = False,
          use_collectives: bool = True) -> Any:
     """torch DCP's ``save``: dcp's ``save`` (native format); returns its ``SaveReport``
-    (torch returns the checkpoint's ``Metadata``, which callers rarely use)."""
+    (torch returns the checkpoint's ``Metadata``, which callers rarely use). Non-tensor
+    values are pickled and, as torch stores them, taken from whichever rank holds them
+    (``saving/_rank_values.py``: dcp alone stores rank 0's)."""
+    state_dict = with_other_ranks_values(state_dict, process_group, no_dist)
     return _save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                  process_group=process_group, no_dist=no_dist, use_collectives=use_collectives, allow_pickle=True)
 
@@ -52,6 +56,7 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None
     background (``StagingOptions(use_async_staging=True)``), torch returns an
     ``AsyncSaveResponse`` instead of a future, and so does this (torchtitan's pinned-memory
     mode checks for one); its futures are dcp's."""
+    state_dict = with_other_ranks_values(state_dict, process_group, no_dist)
     future = _async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                          process_group=process_group, async_checkpointer_type=async_checkpointer_type,
                          async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives,
