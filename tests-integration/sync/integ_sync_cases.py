@@ -340,3 +340,22 @@ def delta_updates(rank: int, world: int, side: str, port: int, sizes: tuple[int,
     run("one_element", ())
     group.close()
     return out
+
+
+def engine_dies_mid_transfer(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Engine rank 1 plans with the others, then exits as the data starts to move (its
+    ``move`` exits the process): the others are told within the timeout, naming it."""
+    from dcp_load.transferring import _transfer
+
+    group = join(side, rank, port, sizes)
+    if side == "engine" and rank == 1:
+        _transfer.move = lambda *args, **kwargs: os._exit(3)
+    mesh = init_device_mesh("cpu", (world,))
+    src = {"w": distribute_tensor(truth("wo"), mesh, [Shard(0)])} if side == "trainer" else {}
+    dst = {"w": torch.full(SHAPES["wo"], float("nan"))} if side == "engine" else {}
+    start = time.monotonic()
+    try:
+        dcp_load.transfer(src, dst, process_group=group, timeout=5)
+    except dcp_load.LoadError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start}
+    return {"message": None}

@@ -119,3 +119,10 @@ def test_delta_sends_only_what_changed():
         assert r["one_element"]["received"] == (half["wq"] // 2 if rank == 0 else 0), r
         assert r["one_element"]["exact"] == every, r
     assert sum(r["none_changed"]["sent"] for r in trainer) == 0
+
+
+def test_an_engine_rank_that_dies_while_data_moves_is_named_in_time():
+    trainer, engine = run_jobs(cases.engine_dies_mid_transfer, may_die=(1,))
+    for r in [*trainer, engine[0]]:
+        assert r["message"] and "execute" in r["message"] and "rank 3" in r["message"], r
+        assert r["seconds"] < 30, r
