@@ -10,10 +10,12 @@ their flattened names as top-level keys, which save under the same names; a load
 holding rank finds them there. Stateful objects come back resolved (their
 ``state_dict()``), so that the save does not call them twice.
 
-Costs two collectives of the save's group on the caller's thread (the names, all-gathered;
-the values rank 0 lacks, gathered to it; bounded by the group's timeout), and nothing
-without a process group or with ``no_dist``. Every rank takes part even when its state
-dict is refused below: the save then names the problem on every rank.
+Costs two collectives of the save's group on the caller's thread, bounded by the group's
+timeout: rank 0's value names, broadcast (each rank receives one list, whatever the world
+size: an all-gather of every rank's names would grow with it), and the values each rank
+holds that rank 0 lacks (usually none), gathered to rank 0. Nothing without a process
+group or with ``no_dist``. Every rank takes part even when its state dict is refused
+below: the save then names the problem on every rank.
 """
 
 from __future__ import annotations
@@ -38,18 +40,19 @@ def with_other_ranks_values(state_dict: Mapping[Any, Any], process_group: Any, n
     if me < 0:  # not a member: the save refuses it, naming the group
         return state_dict
     state, values = _own_values(state_dict)
-    names: list[Any] = [None] * world
-    dist.all_gather_object(names, sorted(values), group=process_group)
-    holder = _lowest_holders(names)
-    if not holder:
-        return state
-    mine = {name: values[name] for name, rank in holder.items() if rank == me}
+    at_zero: list[Any] = [sorted(values) if me == 0 else None]
+    dist.broadcast_object_list(at_zero, group=process_group, group_src=0)
+    known = set(at_zero[0])
+    lacking = {name: value for name, value in values.items() if name not in known}
     gathered: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object(mine, gathered, group=process_group, group_dst=0)
+    dist.gather_object(lacking, gathered, group=process_group, group_dst=0)
     if me != 0 or gathered is None:
         return state
-    extra = {name: value for part in gathered for name, value in (part or {}).items()}
-    return {**state, **extra}
+    extra: dict[str, Any] = {}
+    for part in gathered[1:]:  # in rank order: the lowest holder's value is kept
+        for name, value in (part or {}).items():
+            extra.setdefault(name, value)
+    return {**state, **extra} if extra else state
 
 
 def _own_values(state_dict: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], dict[str, Any]]:
@@ -65,13 +68,3 @@ def _own_values(state_dict: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], dict[
         return state_dict, {}
     return resolved.state, {leaf.name: leaf.value for leaf in leaves if not is_tensor(leaf.value)}
 
-
-def _lowest_holders(names: list[Any]) -> dict[str, int]:
-    """{name: the lowest rank holding it} of the names rank 0 does not hold."""
-    at_zero = set(names[0] or ())
-    holder: dict[str, int] = {}
-    for rank, held in enumerate(names[1:], start=1):
-        for name in held or ():
-            if name not in at_zero:
-                holder.setdefault(name, rank)
-    return holder
