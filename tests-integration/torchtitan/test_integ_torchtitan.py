@@ -78,7 +78,6 @@ def test_resume_at_another_world_size(saved, world):
             assert r["latest"] == {"torch-disabled": 1, "torch-async": 1, "dcp-disabled": -1, "dcp-async": -1}
 
 
-
 def test_per_rank_dataloader_state_resumes_as_with_torch_dcp(tmp_path):
     """torchtitan's dataloader keeps its state under a key of each rank's own: rank 1's is
     saved too (from rank 1), and each rank resumes at its own next batch (3 batches of 4
