@@ -19,10 +19,25 @@ then, with a warm page cache and a cold one (``drop_caches`` as root, else
   ``async_save`` with a pinned, blocking stager, and against the plain D2H copy of the
   same bytes into pinned memory (second call of each: the first allocates pinned memory).
 
-Goals (issue 30): load >= 0.8 x min(read, pinned H2D), faster than every peer; async_save
+Goals: load >= 0.8 x min(read, pinned H2D), faster than every peer; async_save
 blocking <= 1.2 x the D2H copy. ``--json PATH`` writes every figure. ``--fake`` runs the
 same code on CPU against ``dcp_platform.testing.FakeAccelerator`` (device memory is host
 memory), so the script itself can be checked without a GPU; its figures mean nothing.
+
+What the fake cannot check. It runs every copy late, so the CPU tests
+(packages/dcp-load/tests/test_device_waits.py, packages/dcp-platform/tests/test_device_copies.py,
+tests-integration/test_integ_device.py) see a missing ring wait, stream synchronize, cast
+ordering, broadcast ordering or async_save staging wait as wrong values: each was removed
+from the sources in turn and failed them. On CUDA it leaves unverified:
+
+* ``DeviceCopies.begin`` (the copy stream after the caller's current stream, for loads and
+  for async_save's staging): the fake's current stream is the host, so removing it fails
+  no CPU test. ``benchmarks/gpu_waits.py`` checks it, with the ring wait, the load's
+  ``finish`` and staging's wait, on one GPU (results/gpu.md);
+* ``DeviceLoad.publish`` as NCCL sees it (the broadcast's stream after the copy event,
+  device-side): the fake orders by a host wait; it needs two GPUs;
+* engines of two devices in one process (``cuda:0`` and ``cuda:1`` destinations of one load);
+* this script's own figures: bandwidths, the pinned ring's overlap, GPU memory.
 """
 
 from __future__ import annotations
