@@ -12,10 +12,16 @@ The commit through the store (keys under ``dcp-save/<n>/fin``): each rank publis
 write errors (``w/<rank>``) and counts itself in ``n``; rank 0 waits until every rank
 counted (bounded by ``timeout``, from when its own write finished; a dead rank is named by
 the watch's heartbeats), commits when nobody failed (the rename of ``save``), and publishes
-the outcome; the others wait for it. A failure anywhere makes every rank's future raise the
+the outcome; the others wait for it, and rank 0 waits until they have read it (a store that
+rank 0 hosts ends with its process). A failure anywhere makes every rank's future raise the
 same ``LoadError``, and every rank removes its new files: the committed checkpoint is the
 old one. Store traffic per rank: 4 operations, plus one poll every <= ``POLL_MAX_S`` while
-waiting; the last rank to read the outcome removes the keys.
+waiting; rank 0, the last to count itself as having read the outcome, removes the keys.
+
+The commit uses the store captured at the call (``Watch.store``), never the process group:
+a script may call ``destroy_process_group()`` and exit without ``result()``, and the save
+still commits (the thread is not a daemon). A failure nobody observed is logged at WARNING
+on every rank when it happens and again at ERROR when its future is dropped (``_future``).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
+
+from dcp_platform import PeerFailure
 
 from .._errors import LoadError
 from ..run._coordinate import MIN_STALL_S, Coordinator, refused_together
@@ -74,8 +82,9 @@ def async_save(
     writer, boxes that do not tile, a value that cannot be stored) raise here, as from
     ``save``. A call waits first for this process's previous ``async_save`` to finish, so
     one process's saves run in call order and at most one copy is staged (``release_staging``
-    frees it). Call ``result()`` before destroying the process group: the commit needs its
-    store. ``process_group``: as for ``save``; the commit goes through that group's store.
+    frees it). The commit goes through the store captured at the call: destroying the
+    process group right after the call (and exiting) still commits; only ``result()`` tells
+    whether it did. ``process_group``: as for ``save``; the commit goes through that group's store.
     torch DCP's ``storage_writer``, ``planner`` and ``use_collectives`` are taken as by
     ``save``; ``async_checkpointer_type`` and ``async_stager`` are accepted and stand for what
     dcp does instead (a thread writes; only the boxes this rank writes are staged, into a
@@ -225,17 +234,35 @@ def _background(coord: Coordinator, stack: contextlib.ExitStack, planned: Planne
                         outcome.seconds)
         future.set_result(outcome)
     else:
-        if not isinstance(outcome, LoadError):
-            outcome = _as_load_error(planned.rank, outcome)
-        logger.warning("async_save %s into %s: failed (the checkpoint before it stays committed): %s",
-                       planned.save_id, planned.path, str(outcome)[:300])
+        agreed = isinstance(outcome, LoadError)  # an outcome the ranks share (the agreement, a peer failed)
+        outcome = outcome if agreed else _as_load_error(planned, outcome)
+        logger.warning("async_save %s into %s: failed (%s): %s", planned.save_id, planned.path,
+                       "the checkpoint before it stays committed" if agreed else
+                       "this rank did not learn whether rank 0 committed it", str(outcome)[:500])
         future.set_exception(outcome)
 
 
-def _as_load_error(rank: int, exc: BaseException) -> LoadError:
-    err = LoadError({rank: [f"{type(exc).__name__}: {exc}"]}, "save")
+#: Added to a failure of the commit's store traffic after the process group was destroyed.
+DESTROYED = ("the process group was destroyed before this save committed, and the commit's key-value "
+             "store could not be reached (its host, rank 0 with a tcp:// or env:// rendezvous, may have "
+             "exited); call result() on every rank's future before destroy_process_group()")
+
+
+def _as_load_error(planned: PlannedSave, exc: BaseException) -> LoadError:
+    causes = [f"{type(exc).__name__}: {exc}"]
+    if planned.collective and _group_gone(planned.platform):
+        causes.append(DESTROYED)
+    err = LoadError({planned.rank: causes}, "save")
     err.__cause__ = exc
     return err
+
+
+def _group_gone(platform: Any) -> bool:
+    """Whether the process group this save ran within has been destroyed since."""
+    try:
+        return not platform.is_distributed()
+    except Exception:  # noqa: BLE001 - a group that cannot answer is gone for this purpose
+        return True
 
 
 def _finish(coord: Coordinator, planned: PlannedSave, errors: list[str], files: list[str],
@@ -282,6 +309,7 @@ def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[
             if errors:
                 failures = {0: list(errors)}
         store.set(f"{base}/outcome", pickle.dumps(failures))
+        _until_read(watch, store, base, world, max(wait_s, MIN_STALL_S))
     else:
         _poll(watch, lambda: store.check([f"{base}/outcome"]), None)
         failures = pickle.loads(store.get(f"{base}/outcome"))
@@ -290,6 +318,18 @@ def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[
         for key in ("n", "bad", "outcome", "seen"):
             store.delete_key(f"{base}/{key}")
     return failures
+
+
+def _until_read(watch: Any, store: Any, base: str, world: int, bound_s: float) -> None:
+    """Rank 0, once the outcome is published: wait (<= ``bound_s``) until every other rank
+    has read it. A store hosted by rank 0 (``tcp://`` or ``env://`` rendezvous without an
+    agent) ends with rank 0's process: a script that exits right after ``async_save`` and
+    ``destroy_process_group()`` left the others failing to read a committed outcome
+    ("Broken pipe"). A rank that died reads nothing: its death ends the wait."""
+    try:
+        _poll(watch, lambda: store.add(f"{base}/seen", 0) >= world - 1, bound_s)
+    except PeerFailure:  # the outcome stands; the dead rank's own future is moot
+        logger.debug("async_save: a rank died before reading the outcome of %s", base)
 
 
 def _poll(watch: Any, ready: Callable[[], bool], bound_s: float | None) -> bool:
