@@ -10,6 +10,8 @@
 4. At most 14 modules directly in each package's import folder.
 5. Every relative import names a module of its package (a module moved to another folder
    with a function-level import left behind fails only when that function runs).
+6. No function or method under ``packages/*/src`` is longer than 60 lines, from its ``def``
+   to its last line (docstring included, decorators not): one that needs more does several things.
 
 Exit 1 listing every offence, 0 when the tree keeps the rules. ``python .ci/check_house.py``.
 """
@@ -22,6 +24,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_TOP_MODULES = 14
+MAX_FUNCTION_LINES = 60
 #: dcp-load's layers, lowest first; a module may import its own layer and those below it.
 LAYERS = ["_errors", "layouts", "plan", "run", "_load", "saving", "transferring", "conversion", "cli"]
 #: The modules of dcp-load outside the layer order: the package's fronts (itself and torch_compat), its
@@ -150,6 +153,18 @@ def uri_tests(path: pathlib.Path) -> list[str]:
     return out
 
 
+def long_functions(path: pathlib.Path) -> list[str]:
+    """Functions and methods of ``path`` longer than ``MAX_FUNCTION_LINES``, each named with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}: function {node.name} is {lines} lines long "
+                           f"(at most {MAX_FUNCTION_LINES}): split it by what its parts do")
+    return out
+
+
 def _has_scheme(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str) and "://" in node.value
 
@@ -171,6 +186,7 @@ def main() -> int:
                     problems.append(f"{pkg.relative_to(ROOT)}: {len(top)} modules directly in it "
                                     f"(at most {MAX_TOP_MODULES}): move them into the sub-package of their layer")
             for name, path in known.items():
+                problems += long_functions(path)
                 if not name.startswith("dcp_reader.storage"):
                     problems += [f"{hit}: only dcp_reader.storage asks whether a path is a URI; ask the "
                                  "Storage instead" for hit in uri_tests(path)]

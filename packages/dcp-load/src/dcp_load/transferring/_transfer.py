@@ -200,17 +200,7 @@ def transfer(
     start = time.perf_counter()
     src_side, dst_side = side_of("src", src), side_of("dst", dst)
     errors: list[str] = []
-    source_map = None
-    if sources is not None:
-        try:
-            source_map = SourceMap(sources, owner="transfer")
-        except (TypeError, ValueError) as exc:  # through the exchange: every rank raises
-            errors.append(f"{type(exc).__name__}: {exc}")
-    try:
-        platform = resolve_platform(platform, [*src_side.leaves, *dst_side.leaves], process_group)
-    except Exception as exc:  # noqa: BLE001 - reported through the exchange, so no rank waits for this one
-        platform = fallback_platform(exc, process_group)
-        errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
+    source_map, platform = _resolve(sources, platform, [*src_side.leaves, *dst_side.leaves], process_group, errors)
     collective = platform.is_distributed()
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
@@ -220,6 +210,24 @@ def transfer(
         coord.arrive()
         return _transfer(coord, platform, collective, src_side, dst_side, errors, settings, source_map,
                          keep_plan=keep_plan, start=start)
+
+
+def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any], process_group: Any,
+             errors: list[str]) -> tuple[SourceMap | None, Any]:
+    """(the parsed ``sources``, the platform) of a transfer; a problem with either is appended to
+    ``errors`` (reported through the exchange, so that no rank waits for this one)."""
+    source_map = None
+    if sources is not None:
+        try:
+            source_map = SourceMap(sources, owner="transfer")
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    try:
+        platform = resolve_platform(platform, leaves, process_group)
+    except Exception as exc:  # noqa: BLE001 - reported through the exchange
+        platform = fallback_platform(exc, process_group)
+        errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
+    return source_map, platform
 
 
 def _split(value: int) -> list[int]:
