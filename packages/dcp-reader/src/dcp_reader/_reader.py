@@ -36,6 +36,7 @@ from .formats._unpickle import memo_problem
 from .integrity._checksum import BlockSums
 from .integrity._hash_worker import HashWorker
 from .integrity._value_sums import check_bytes, check_value
+from .storage._fetch_count import HeadClaims, metering
 from .storage._names import METADATA_LIMIT
 from .storage._pread import close_fd, fd_size, pread_bytes, pread_into
 from .storage._protocol import Storage
@@ -88,6 +89,7 @@ class CheckpointReader:
         self._bytes_read = 0
         self._overread = 0  # bytes covering reads fetched beyond their boxes
         self._served = 0  # bytes an object store sent for files since closed (``bytes_fetched``)
+        self._claims = HeadClaims()  # heads counted in bytes_fetched (shared with siblings)
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         self._layouts = BlobLayouts()  # torch-dcp: where each blob's tensor lies
         # file -> (its unpickled values, the value checksums its bytes were verified against)
@@ -105,7 +107,9 @@ class CheckpointReader:
         """Bytes taken from storage: ``bytes_read`` plus what covering reads fetched around
         their boxes (``read_covering``). From an object store, every byte its GETs sent for
         this reader's files: the gaps a GET read through between wanted ranges and the
-        files' headers included."""
+        files' headers included; a file's first bytes that this process had fetched before
+        (through another reader, or an earlier load) count once, as if fetched
+        (``storage._fetch_count``), so it is never below ``bytes_read``."""
         served = [h.fetched for h in map(_handle, self._files.values()) if hasattr(h, "fetched")]
         if served or self._served:
             return self._served + sum(served)
@@ -127,8 +131,10 @@ class CheckpointReader:
         """Another reader of the same checkpoint, for another thread: it shares this reader's
         parsed metadata (nothing is read or checked again) and has its own open files, byte
         counter and hashing thread, so two threads can read at once. Close it when done."""
-        return CheckpointReader(self.path, self.metadata, allow_pickle=self.allow_pickle,
-                                max_open_files=self._max_open, verify_checksums=self.verify_checksums)
+        sibling = CheckpointReader(self.path, self.metadata, allow_pickle=self.allow_pickle,
+                                   max_open_files=self._max_open, verify_checksums=self.verify_checksums)
+        sibling._claims = self._claims  # one load: a head counts once over the siblings
+        return sibling
 
     @property
     def torch_save_reads(self) -> dict[str, int]:
@@ -161,7 +167,7 @@ class CheckpointReader:
         if f is not None:
             self._files.move_to_end(name)
             return f
-        f = _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
+        f = self._new_file(name, key)
         self._files[name] = f
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)
@@ -191,7 +197,11 @@ class CheckpointReader:
                     self._drop(self._files.popitem(last=False)[1])
 
     def _new_file(self, name: str, key: str | None) -> Any:
-        return _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
+        f = _RawFile(self.path, name, key) if self.format == "torch-dcp" else SafetensorsFile(self.path, name, key)
+        handle = _handle(f)
+        if hasattr(handle, "join"):  # an object: its head counts once in bytes_fetched
+            handle.join(self._claims)
+        return f
 
     # -- tensors ---------------------------------------------------------------------------
     def _box(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...]
@@ -614,7 +624,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
         return CheckpointReader(root, metadata, allow_pickle=allow_pickle, max_open_files=max_open_files,
                                 verify_checksums=verify_checksums)
     try:
-        fmt, meta = opened(root, (format, rank), lambda: _parse(root, format, rank))
+        with metering(root) as parse:  # the headers' GETs: this reader's (bytes_fetched)
+            fmt, meta = opened(root, (format, rank), lambda: _parse(root, format, rank))
     except CheckpointError:
         raise
     except _PARSE_ERRORS as e:
@@ -622,6 +633,7 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
                             "it is corrupt or unreadable: check its files or re-save it", path=root) from e
     reader = CheckpointReader(root, meta, allow_pickle=allow_pickle, max_open_files=max_open_files,
                               verify_checksums=verify_checksums)
+    reader._served, reader._claims = parse.bytes, HeadClaims(parse.heads)
     logger.debug("opened %s (%s): %d tensors, %d values in %.3f s", root, fmt, len(meta.tensors),
                  len(meta.values), time.perf_counter() - t0)
     return reader

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dcp_platform import PeerFailure
@@ -28,7 +28,7 @@ from ..plan._digest import checkpoint_causes
 from ..plan._hosts import HOST_ID_ENV, host_id
 from ..plan._plan import BROADCASTABLE, VIEWS, Want, build_global_plan
 from ._coordinate import Coordinator, scope_of, skip_slot, timeout_seconds
-from ._execute import execute
+from ._execute import execute, fetched
 from ._progress import Progress
 from ._report import LoadReport
 from ._shared_open import local_storage, open_shared
@@ -343,9 +343,15 @@ def run_plan(coord: Coordinator, platform: Any, plan: Any, me: int, prep: Prepar
     groups, close_groups = (ensure_groups(platform, plan, groups, coord.waiter) if derived else (groups, False))
     if close_groups:
         prep.groups = groups  # closed by finish, or by close on every other path
+    # From an object store, a reader this load opened fetched its files' first bytes before
+    # execute (the parse, the checks): the headers and, for a small object, all of its data
+    # (``CheckpointReader.bytes_fetched``). They are this load's GETs.
+    remote = prep.owned and not local_storage(getattr(prep.reader, "path", None))
+    opening = fetched(prep.reader) if remote else 0
     try:
         stats = execute(platform, prep.reader, plan, me, {t.name: t for t in prep.targets}, batch_bytes=batch_bytes,
                         groups=groups, watch=coord.waiter, on_read=phases.progress.advance)
+        stats = replace(stats, bytes_fetched=stats.bytes_fetched + opening)
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:

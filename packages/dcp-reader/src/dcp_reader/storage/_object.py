@@ -48,6 +48,7 @@ from .._errors import (
     UnsafePathError,
     summarise,
 )
+from ._fetch_count import HeadClaims, metered
 from ._names import check_name, name_problem
 from ._options import ObjectOptions
 from ._settings import check_settings, endpoint_of, endpoint_source, reach
@@ -662,7 +663,17 @@ class ObjectFile:
         # the first bytes, shared by the readers of one process while the object is unchanged
         self._head_key = (self.path, etag, self.size) if etag else None
         self._head: bytes | None = _HEADS.get(self._head_key) if self._head_key else None
-        self.fetched = 0  # bytes fetched, gaps and header included
+        self._own_head = False  # this file's GET fetched ``_head`` (not the process's cache)
+        self._claims: HeadClaims | None = None
+        self.fetched = 0  # bytes fetched, gaps and header included (``_fetch_count``)
+
+    def join(self, claims: HeadClaims) -> None:
+        """Count this file's head in ``claims``' reader (``_fetch_count``): once per reader,
+        its whole length when it came from the process's cache."""
+        self._claims = claims
+        if self._head is not None and self._head_key is not None and claims.claim(self._head_key) \
+                and not self._own_head:
+            self.fetched += len(self._head)
 
     def _check(self, offset: int, n: int, key: str | None) -> None:
         if offset < 0 or offset + n > self.size:
@@ -679,13 +690,20 @@ class ObjectFile:
         if offset + n <= HEAD_BYTES and (self._head is not None or n < HEAD_BYTES // 2):
             if self._head is None:
                 head = bytearray(min(self.size, HEAD_BYTES))
-                self.fetched += self.storage.fetch(self.name, [(0, memoryview(head))], key=key, etag=self.etag)
-                self._head = bytes(head)
+                sent = self.storage.fetch(self.name, [(0, memoryview(head))], key=key, etag=self.etag)
+                self._count(sent, self._head_key)
+                self._head, self._own_head = bytes(head), True
+                if self._claims is not None and self._head_key is not None:
+                    self._claims.claim(self._head_key)
                 if self._head_key:
                     _HEADS.put(self._head_key, self._head)
             view[:] = self._head[offset:offset + n]
             return
-        self.fetched += self.storage.fetch(self.name, [(offset, view)], key=key, etag=self.etag)
+        self._count(self.storage.fetch(self.name, [(offset, view)], key=key, etag=self.etag))
+
+    def _count(self, sent: int, head: Any = None) -> None:
+        self.fetched += sent
+        metered(self.path, sent, head)
 
     def read_runs(self, out: Any, base: int, offsets: Iterable[int], run: int, *, key: str | None) -> None:
         view = memoryview(out).cast("B")
@@ -694,7 +712,7 @@ class ObjectFile:
             raise ValueError(f"read_runs: {len(spans) * run} bytes of runs for a buffer of {len(view)}")
         if spans:
             self._check(spans[0][0], spans[-1][0] + run - spans[0][0], key)
-            self.fetched += self.storage.fetch(self.name, spans, key=key, etag=self.etag)
+            self._count(self.storage.fetch(self.name, spans, key=key, etag=self.etag))
 
     def close(self) -> None:
         self._head = None
