@@ -72,6 +72,7 @@ def test_an_engine_rank_that_dies_is_named_in_time():
     trainer, engine = run_jobs(cases.engine_dies, may_die=(1,))
     for r in [*trainer, engine[0]]:
         assert r["message"] and "rank 3" in r["message"] and r["untouched"], r
+        assert "ranks 2-3 the engine's ranks 0-1" in r["message"], r
         assert r["seconds"] < 30, r
 
 
@@ -88,6 +89,7 @@ def test_engine_plain_tp_shards_fused_from_fsdp_shards():
             message = r["error2"]
             assert message.startswith("validate failed on 2 rank(s) (ranks 2-3)"), (side, r)
             assert "ranks 2-3: dst 'down' has shape (8, 16) but its source 'down' gives (8, 12)" in message, r
+            assert "ranks 0-1 are the trainer's ranks 0-1, ranks 2-3 the engine's ranks 0-1." in message, r
     assert all(r["untouched"] for r in engine)
 
 

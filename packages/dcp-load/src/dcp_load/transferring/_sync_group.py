@@ -17,16 +17,19 @@ the sides, ranks and values; a rank that never arrives is named when the bound e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TransferGroup", "TransferGroupError", "transfer_group"]
+from .._errors import LoadError
+
+__all__ = ["TransferGroup", "TransferGroupError", "sides_named", "transfer_group"]
 
 #: The handshake's format; a change that makes older ranks plan differently bumps it.
 PROTOCOL = 1
@@ -72,6 +75,12 @@ class TransferGroup(dist.ProcessGroup):
     def engine_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.world_sizes[0], sum(self.world_sizes)))
 
+    def sides_text(self) -> str:
+        """Which of the group's ranks are which job's, for messages."""
+        t, e = self.world_sizes
+        return (f"In transfer group {self.dcp_group_key!r}: {_span(0, t)} are the trainer's {_span(0, t)}, "
+                f"{_span(t, t + e)} the engine's {_span(0, e)}.")
+
     def close(self) -> None:
         """Shut the group's backends down (after this process's last transfer on it)."""
         for backend in self._backends:
@@ -81,6 +90,22 @@ class TransferGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return (f"TransferGroup({self.dcp_group_key!r}, {self.side} rank {self.side_rank}, rank {self.rank()} "
                 f"of {self.size()}, world_sizes={self.world_sizes})")
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"rank {lo}" if hi - lo == 1 else f"ranks {lo}-{hi - 1}"
+
+
+@contextlib.contextmanager
+def sides_named(group: Any) -> Iterator[None]:
+    """A ``LoadError`` raised inside, within a ``TransferGroup``, also says which ranks are
+    the trainer's and which the engine's (its messages name the group's rank numbers)."""
+    try:
+        yield
+    except LoadError as exc:
+        if isinstance(group, TransferGroup) and exc.args:
+            exc.args = (f"{exc.args[0]}\n{group.sides_text()}", *exc.args[1:])
+        raise
 
 
 def _check_arguments(side: Any, rank: Any, world_sizes: Any, backend: Any, name: Any) -> tuple[int, int]:

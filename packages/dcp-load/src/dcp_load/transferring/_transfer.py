@@ -38,6 +38,7 @@ from ._fp8 import plan_layouts
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, lazily, mine, move, prepare
 from ._planner import TransferPlan
+from ._sync_group import sides_named
 
 __all__ = ["TransferReport", "transfer"]
 
@@ -205,7 +206,7 @@ def transfer(
     coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
     settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES, bool(delta))
-    with coord:
+    with sides_named(process_group), coord:  # within a TransferGroup, errors say which job is which
         coord.phase = "validate"
         coord.arrive()
         return _transfer(coord, platform, collective, src_side, dst_side, errors, settings, source_map,
