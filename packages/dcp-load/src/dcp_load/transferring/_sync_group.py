@@ -81,8 +81,18 @@ class TransferGroup(dist.ProcessGroup):
         return (f"In transfer group {self.dcp_group_key!r}: {_span(0, t)} are the trainer's {_span(0, t)}, "
                 f"{_span(t, t + e)} the engine's {_span(0, e)}.")
 
-    def close(self) -> None:
-        """Shut the group's backends down (after this process's last transfer on it)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Shut the group's backends down, on every rank after its last transfer. The ranks
+        first wait for each other (at most ``timeout`` seconds; a dead peer only delays
+        this): trainer rank 0 serves the store, and a peer still removing its last call's
+        keys from it must not find it gone."""
+        if not self._backends:
+            return
+        try:
+            work = self._backends[0].allreduce([torch.zeros(1)])
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError:  # a peer that died or left: shut down all the same
+            pass
         for backend in self._backends:
             backend.shutdown()
         self._backends.clear()
