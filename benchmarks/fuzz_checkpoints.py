@@ -1,9 +1,9 @@
 """Checkpoint fuzzer, full count (not a test; the CI subset is
-tests-integration/test_fuzz_checkpoints.py): builds small checkpoints in six formats, loads
+tests-integration/formats/test_fuzz_checkpoints.py): builds small checkpoints in six formats, loads
 ``--count`` seeded mutants with dcp_load.load(..., no_dist=True) into poisoned targets in
 child processes, and prints the outcome counts per format, every failure and the time.
 4 of every 10 mutants change a pickle by its structure (torch DCP's .metadata, a blob's
-data.pkl, a native values.pkl: tests-integration/pickle_mutations.py).
+data.pkl, a native values.pkl: tests-integration/formats/pickle_mutations.py).
 
     .venv/bin/python benchmarks/fuzz_checkpoints.py [--count 20000] [--seed 20261201] [--workers 1]
 
@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration", "formats"))
 
 import fuzz_mutations as fm  # noqa: E402
 

@@ -26,7 +26,7 @@ memory), so the script itself can be checked without a GPU; its figures mean not
 
 What the fake cannot check. It runs every copy late, so the CPU tests
 (packages/dcp-load/tests/test_device_waits.py, packages/dcp-platform/tests/test_device_copies.py,
-tests-integration/test_integ_device.py) see a missing ring wait, stream synchronize, cast
+tests-integration/device/test_integ_device.py) see a missing ring wait, stream synchronize, cast
 ordering, broadcast ordering or async_save staging wait as wrong values: each was removed
 from the sources in turn and failed them. On CUDA it leaves unverified:
 

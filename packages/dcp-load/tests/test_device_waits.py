@@ -16,7 +16,7 @@ wait guarded are wrong by construction, whatever the timing:
   arena after it was handed to the next save.
 
 (The broadcast's ordering after its piece's copies, ``DeviceLoad.publish``, needs ranks:
-``tests-integration/test_integ_device.py``.)
+``tests-integration/device/test_integ_device.py``.)
 """
 
 from __future__ import annotations

@@ -45,9 +45,9 @@ from dcp_reader.formats._unpickle import _ALLOWED, _Charged, _Record
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The fuzzer's table of nesting opcodes (tests-integration/pickle_mutations.py), one source
+# The fuzzer's table of nesting opcodes (tests-integration/formats/pickle_mutations.py), one source
 # for both: standard library only.
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests-integration"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests-integration" / "formats"))
 from pickle_mutations import NESTS  # noqa: E402
 
 DEEP = 200_000

@@ -2,7 +2,7 @@
 checkpoints in six formats (native JSON, native with pickled values, Hugging Face single
 file and index, torch DCP default writer and HF writer), 4 in 10 of them changing a pickle
 by its structure (negative and huge lengths, deep nesting, shared containers passed to
-allowed callables, BUILD on stand-ins: tests-integration/pickle_mutations.py), each loaded
+allowed callables, BUILD on stand-ins: tests-integration/formats/pickle_mutations.py), each loaded
 into poisoned targets in a child process under a time limit, its peak memory measured.
 Asserts only typed errors with targets untouched, no hang, crash or memory beyond the bound,
 and no silently changed tensor or value in the native format (block checksums, value

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.mindspore
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "dcp-reader" / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "packages" / "dcp-reader" / "tests"))
 
 
 def test_mindspore_workers_load_a_mindspore_written_hyper_checkpoint(tmp_path):
