@@ -7,7 +7,7 @@ FsspecReader over s3fs and Run:ai Model Streamer, all in one run, through one pr
     python benchmarks/bench_s3.py --gib 0.25 --runs dcp:tp,torchdcp:tp   # column shards
 
 The S3 server is moto (``python -m moto.server``, its own process) on loopback; the
-proxy (tests-integration/s3_server.py, in this process) adds a per-request latency drawn
+proxy (tests-integration/_support/s3_server.py, in this process) adds a per-request latency drawn
 from 20-50 ms and caps each connection at ~100 MB/s, and counts GETs, bytes and the
 requests in flight. The checkpoint is 32 MiB shards (moto copies a whole object for every
 ranged GET, so its rate falls with the object size: measured 70 MiB/s at 64 MiB objects,
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests-integration"))
+sys.path.insert(0, str(HERE.parent / "tests-integration" / "_support"))
 sys.path.insert(0, str(HERE))
 
 import s3_server  # noqa: E402

@@ -20,8 +20,8 @@ from dcp_platform.testing import run_ranks  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
 import integ_small_objects_cases as cases  # noqa: E402
 import s3_server  # noqa: E402
 

@@ -1,7 +1,8 @@
 """Checkpoint builders and the functions that run inside ranks for the dcp-load
 integration tests (not a test module).
 
-The tests put this folder on ``sys.path`` so that ``run_ranks`` children can import these
+It lives in ``tests-integration/_support/`` (helpers shared by several areas): the tests
+put that folder on ``sys.path`` so that ``run_ranks`` children can import these
 functions by name (pytest's importlib mode gives test modules names children cannot
 import). Each ``*_cases`` function runs many scenarios in one launch (a launch costs
 seconds) and returns, per scenario, this rank's reports and every problem it found.
