@@ -206,7 +206,7 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with torch.distributed.checkpoint (`-- s3`: from S3); JSON in bench-results/."""
-    # fastsafetensors: the peer loader measured in the same run (benchmarks/_bench_loaders.py).
+    # fastsafetensors: the peer loader measured in the same run (benchmarks/harness/loaders.py).
     # bench_s3.py: a loopback S3 server, obstore, and the peers it is measured against
     # (torch DCP's FsspecReader over s3fs, Run:ai Model Streamer).
     _install(session, "safetensors>=0.4.3", "matplotlib>=3.8", "fastsafetensors>=0.5", "moto[server]>=5",

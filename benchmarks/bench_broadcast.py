@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _bench_cli import parser
-from _bench_ranks import rounds
 from dcp_broadcast import BroadcastItem, broadcast_items
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
+from harness.cli import parser
+from harness.ranks import rounds
 
 WORLD = 4
 SMALL = [(1000, 4 * 1024), (500, 64 * 1024)]

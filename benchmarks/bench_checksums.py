@@ -31,8 +31,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _bench_cli import ints, parser, stamped  # noqa: E402
-from _bench_stats import fmt_bytes, median, ratio_by_repeat, table  # noqa: E402
+from harness.cli import ints, parser, stamped  # noqa: E402
+from harness.stats import fmt_bytes, median, ratio_by_repeat, table  # noqa: E402
 
 MiB = 1024 * 1024
 SHAPE = (4096, 4096)  # 32 MiB of bf16 per tensor: 8 checksum blocks
@@ -231,7 +231,7 @@ def main() -> int:
     args = ap.parse_args()
     args.quick = False
     args.worlds = ints(args.worlds)
-    from _bench_launch import Launcher
+    from harness.launch import Launcher
 
     args.launcher = Launcher()
     try:

@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _bench_cli import ints, names, parser, write_json  # noqa: E402
-from _bench_common import GiB, MiB, ModelSpec, spec_nbytes, warm_files, write_hf_checkpoint  # noqa: E402
-from _bench_fsdp import write_fsdp_checkpoint  # noqa: E402
-from _bench_launch import Launcher  # noqa: E402
+from harness.cli import ints, names, parser, write_json  # noqa: E402
+from harness.common import GiB, MiB, ModelSpec, spec_nbytes, warm_files, write_hf_checkpoint  # noqa: E402
+from harness.fsdp import write_fsdp_checkpoint  # noqa: E402
+from harness.launch import Launcher  # noqa: E402
 
 SHARD = "500MB"  # 2 files at 1 GiB, 5 at 4 GiB: both workers have files
 MEMORY_GOAL = 128 * MiB

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench_cli import parser, write_json
+from harness.cli import parser, write_json
 
 
 def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:

@@ -38,10 +38,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _bench_cli import parser, write_json  # noqa: E402
-from _bench_common import MemorySampler, checkpoint_files, fadvise_dontneed, read_bytes  # noqa: E402
-from _bench_launch import Launcher  # noqa: E402
-from _bench_stats import fmt_bytes, median, table  # noqa: E402
+from harness.cli import parser, write_json  # noqa: E402
+from harness.common import MemorySampler, checkpoint_files, fadvise_dontneed, read_bytes  # noqa: E402
+from harness.launch import Launcher  # noqa: E402
+from harness.stats import fmt_bytes, median, table  # noqa: E402
 
 WORLD = 4
 KINDS = ("model", "exp_avg", "exp_avg_sq")

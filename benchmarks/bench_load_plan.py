@@ -24,7 +24,7 @@ import pickle
 import time
 from typing import Any
 
-from _bench_stats import fmt_bytes, median, table
+from harness.stats import fmt_bytes, median, table
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench_common import (
+from harness.common import (
     GiB,
     Run,
     copy_checkpoint,
@@ -31,7 +31,7 @@ from _bench_common import (
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_layouts import (
+from harness.layouts import (
     LAYOUT_NAMES,
     LAYOUTS,
     METHOD_NAMES,
@@ -46,10 +46,10 @@ from _bench_layouts import (
     ratio_in_run,
     run_one,
 )
-from _bench_load_tables import tables
-from _bench_stats import fmt_bytes
+from harness.load_tables import tables
+from harness.stats import fmt_bytes
 
-# The layouts' and methods' names moved to _bench_layouts; they stay importable from here.
+# The layouts' and methods' names moved to harness.layouts; they stay importable from here.
 __all__ = ["LAYOUTS", "LAYOUT_NAMES", "METHODS", "METHOD_NAMES", "METHOD_RUN", "PEERS", "SOURCES",
            "model_dir", "model_spec", "peer_status", "prepare_checkpoints", "ratio_in_run", "run", "run_one",
            "tables"]
@@ -74,7 +74,7 @@ def prepare_checkpoints(args: Any, log: Any, layouts: list[str], copies_needed: 
     warm = Path(write_warmup_checkpoint(work, spec))
     roots = {"hf": (base, warm)}
     if any(lay in SOURCES for lay in layouts):
-        from _bench_fsdp import write_fsdp_checkpoint
+        from harness.fsdp import write_fsdp_checkpoint
 
         t = time.perf_counter()
         f_base, f_warm = base.with_name(base.name + "-fsdp4"), warm.with_name(warm.name + "-fsdp4")

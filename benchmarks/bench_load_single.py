@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from _bench_common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint
-from _bench_layouts import model_dir, model_spec
-from _bench_stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
+from harness.common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint
+from harness.layouts import model_dir, model_spec
+from harness.stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
 
 METHODS = {"dcp": "dcp (no_dist)", "safetensors": "safetensors load_file + copy",
            "torch": "torch DCP HF reader (no_dist)"}

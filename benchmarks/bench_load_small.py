@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench_common import (
+from harness.common import (
     MiB,
     Run,
     SmallSpec,
@@ -23,7 +23,7 @@ from _bench_common import (
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
+from harness.stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
 
 VARIANTS = {  # name -> (Run.method, broadcast_batch_bytes)
     "dcp batched (6 MiB)": ("dcp", 6 * MiB),

@@ -2,7 +2,7 @@
 
 Simulated nodes as in scenario 1b (node k = ranks [k*tp, (k+1)*tp), its own byte-identical
 copy of the files, page cache dropped before each load, a DCP_HOST_ID per node), with the
-read bandwidth capped at B by ``_bench_throttle``:
+read bandwidth capped at B by ``harness.throttle``:
 
 - ``node`` (per-node link): one cgroup per node, each capped at B;
 - ``shared`` (shared file system): every rank in one cgroup capped at B.
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import _bench_throttle as throttle
-from _bench_common import Run
-from _bench_layouts import (
+from bench_load_replicated import prepare_checkpoints
+from harness import throttle as throttle
+from harness.common import Run
+from harness.layouts import (
     LAYOUT_NAMES,
     LAYOUTS,
     METHOD_NAMES,
@@ -30,8 +31,7 @@ from _bench_layouts import (
     ranks_per_node,
     run_one,
 )
-from _bench_stats import fmt_bytes, median, table
-from bench_load_replicated import prepare_checkpoints
+from harness.stats import fmt_bytes, median, table
 
 SCENARIOS = ("node", "shared")
 SCENARIO_NAMES = {"node": "per-node link", "shared": "shared file system"}

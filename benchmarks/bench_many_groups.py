@@ -16,8 +16,8 @@ import tempfile
 import time
 from typing import Any
 
-from _bench_cli import ints, parser
-from _bench_stats import median
+from harness.cli import ints, parser
+from harness.stats import median
 
 NAMES = [f"w{i}" for i in range(8)]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import time
 
 import torch
-from _bench_cli import parser
-from _bench_ranks import slowest
-from _bench_stats import median
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
+from harness.cli import parser
+from harness.ranks import slowest
+from harness.stats import median
 
 
 def _timed_broadcast(p, buf: torch.Tensor, reps: int) -> float:

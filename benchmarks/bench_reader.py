@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 import torch
-from _bench_cli import parser
 from dcp_reader import CheckpointMetadata, ChunkMeta, NativeWriter, TensorMeta, chunk_key, open_checkpoint
 from dcp_reader.formats._safetensors_file import read_header_at
+from harness.cli import parser
 from safetensors.torch import load_file, save_file
 
 MiB = 1024 * 1024

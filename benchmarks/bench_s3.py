@@ -39,8 +39,8 @@ sys.path.insert(0, str(HERE.parent / "tests-integration" / "_support"))
 sys.path.insert(0, str(HERE))
 
 import s3_server  # noqa: E402
-from _bench_cli import names, parser, write_json  # noqa: E402
-from _bench_s3 import BUCKET, MiB, model, server_ceiling, start_server, tensor, upload  # noqa: E402
+from harness.cli import names, parser, write_json  # noqa: E402
+from harness.s3 import BUCKET, MiB, model, server_ceiling, start_server, tensor, upload  # noqa: E402
 
 
 # -- inside the ranks --------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 against torch DCP's ``save`` / ``async_save`` (thread mode), side by side in one run.
 
 Four gloo ranks, all in ONE blkio cgroup whose writes to the checkpoint disk are capped at
-B (``--bps``, default 100 MiB/s; one node, one disk: ``_bench_throttle`` with
+B (``--bps``, default 100 MiB/s; one node, one disk: ``harness.throttle`` with
 ``write=True``). The state is ``bench_save``'s: ``--size`` MiB of fp32 (model + AdamW) as
 DTensors, layouts DP2 x TP2 and FSDP4. Every save goes into a fresh directory under a
 temporary directory in ``--dir`` (default: the repository's root, on the disk being
@@ -47,8 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import _bench_throttle as throttle  # noqa: E402
 from bench_save import WORLD, MiB, _launch, _local_bytes, _rss, _state  # noqa: E402
+from harness import throttle as throttle  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ("dp2tp2", "fsdp4")

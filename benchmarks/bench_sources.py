@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint loaded into a fused training layout: ``sources=`` against two steps.
 
-The benchmark checkpoint (``_bench_common.ModelSpec``: a Llama-like decoder, 1.08 GiB of
+The benchmark checkpoint (``harness.common.ModelSpec``: a Llama-like decoder, 1.08 GiB of
 bf16, 4 KV heads; ``--quick``: ~34 MiB) is loaded by 4 real gloo ranks, DP2 x TP2 (mesh
 ("dp", "tp"), two simulated nodes of 2 ranks, TP inside a node, each node reading its own
 byte-identical copy of the files with its own ``DCP_HOST_ID``), into a fused layout held as
@@ -39,8 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _bench_cli import parser, write_json  # noqa: E402
-from _bench_common import (  # noqa: E402
+from harness.cli import parser, write_json  # noqa: E402
+from harness.common import (  # noqa: E402
     MemorySampler,
     MiB,
     copy_checkpoint,
@@ -52,9 +52,9 @@ from _bench_common import (  # noqa: E402
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_launch import Launcher  # noqa: E402
-from _bench_layouts import model_spec  # noqa: E402
-from _bench_stats import median, summarise  # noqa: E402
+from harness.launch import Launcher  # noqa: E402
+from harness.layouts import model_spec  # noqa: E402
+from harness.stats import median, summarise  # noqa: E402
 
 DP, TP, NODES = 2, 2, 2
 KV_HEADS = 4  # ModelSpec: 4 KV heads (of 128 at full size, of 32 with --quick)
@@ -165,7 +165,7 @@ def rank_main(rank: int, world: int, method: str, spec: Any, copies: list[str], 
     os.environ["DCP_HOST_ID"] = f"bench-node-{node}"
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     # A load of a tiny checkpoint of the same structure first, by the same method: first-call
-    # costs (lazy imports, group creation) stay out of the measured load, as in _bench_common.
+    # costs (lazy imports, group creation) stay out of the measured load, as in harness.common.
     small = warmup_spec(spec)
     _load(method, small, mesh, _fused_state(small, mesh)[0], warm_dir)
     fused, locals_ = _fused_state(spec, mesh)

@@ -1,7 +1,7 @@
 """The resharding case alone, without root: FSDP4 -> DP2xTP2 from torch DCP's own files.
 
-The benchmark checkpoint (``_bench_common.ModelSpec``, 1.08 GiB of bf16; ``--quick``: ~34 MiB)
-is saved FSDP-style by torch.distributed.checkpoint's ``FileSystemWriter`` (``_bench_fsdp``:
+The benchmark checkpoint (``harness.common.ModelSpec``, 1.08 GiB of bf16; ``--quick``: ~34 MiB)
+is saved FSDP-style by torch.distributed.checkpoint's ``FileSystemWriter`` (``harness.fsdp``:
 ``Shard(0)`` over 4 ranks) and loaded into DP2xTP2 DTensors by 4 real gloo ranks, as
 ``bench_load_replicated``'s "fsdp4-dp2tp2" layout does. Two simulated nodes of 2 ranks (TP
 inside a node), each reading its own byte-identical copy of the files, each with its own
@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _bench_cli import names, parser, write_json  # noqa: E402
-from _bench_common import (  # noqa: E402
+from harness.cli import names, parser, write_json  # noqa: E402
+from harness.common import (  # noqa: E402
     MiB,
     Run,
     copy_checkpoint,
@@ -39,10 +39,10 @@ from _bench_common import (  # noqa: E402
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_fsdp import write_fsdp_checkpoint  # noqa: E402
-from _bench_launch import Launcher  # noqa: E402
-from _bench_layouts import model_spec  # noqa: E402
-from _bench_stats import summarise  # noqa: E402
+from harness.fsdp import write_fsdp_checkpoint  # noqa: E402
+from harness.launch import Launcher  # noqa: E402
+from harness.layouts import model_spec  # noqa: E402
+from harness.stats import summarise  # noqa: E402
 
 DP, TP, NODES = 2, 2, 2
 MEMORY_GOAL = 6 * MiB * 8 + 64 * MiB  # load()'s default batch x its broadcasts in flight + 64 MiB
@@ -67,7 +67,7 @@ def prepare(args: argparse.Namespace, launcher: Launcher) -> tuple[object, int, 
 def main() -> None:
     ap = parser(__doc__, quick="~34 MiB model instead of 1.08 GiB", repeats=1, workdir="/tmp/dcp-reshard-bench",
                 rank_timeout=True, json_help="also write the results here")
-    ap.add_argument("--methods", default="dcp-auto,dcp,torch", help="comma-separated _bench_loaders methods")
+    ap.add_argument("--methods", default="dcp-auto,dcp,torch", help="comma-separated harness.loaders methods")
     ap.add_argument("--warm", action="store_true",
                     help="page cache warm (every copy read first) instead of evicted before each load")
     args = ap.parse_args()

@@ -245,7 +245,7 @@ def load_torch_dcp(env: Env, src: dict[str, Any], hf: Path, files: list[Path]) -
 
 
 def load_fastsafetensors(env: Env, src: dict[str, Any], hf: Path, files: list[Path]) -> dict[str, Any]:
-    from fastsafetensors import ParallelLoader  # as benchmarks/_bench_loaders.py calls it
+    from fastsafetensors import ParallelLoader  # as benchmarks/harness/loaders.py calls it
 
     t0 = time.perf_counter()
     out: dict[str, Any] = {}

@@ -42,10 +42,10 @@ import bench_load_replicated  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
 import bench_load_throttled  # noqa: E402
-from _bench_cli import RANK_TIMEOUT_S, ints, names, stamped, write_json  # noqa: E402
-from _bench_common import MiB, can_drop_caches  # noqa: E402
-from _bench_launch import Launcher  # noqa: E402
-from _bench_throttle import parse_bps  # noqa: E402
+from harness.cli import RANK_TIMEOUT_S, ints, names, stamped, write_json  # noqa: E402
+from harness.common import MiB, can_drop_caches  # noqa: E402
+from harness.launch import Launcher  # noqa: E402
+from harness.throttle import parse_bps  # noqa: E402
 
 SCENARIOS = {
     "replicated": bench_load_replicated,
@@ -195,20 +195,20 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(args.workdir, ignore_errors=True)
     results["elapsed_s"] = time.perf_counter() - start
     results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
-    import _bench_report
+    from harness import report
 
-    md = _bench_report.render(results)
+    md = report.render(results)
     print("\n" + md)
     (out_dir / f"{stamp}.md").write_text(md)  # the report of this run (benchmarks/results/)
     (out_dir / "latest.md").write_text(md)
     _write(out_dir, stamp, results)
     if args.plots:
         try:
-            import _bench_plot
+            from harness import plot
         except ImportError as e:  # matplotlib missing: say so, the numbers are still written
             log(f"no plots: {e}")
         else:
-            for p in _bench_plot.plot(results, Path(args.plots)):
+            for p in plot.plot(results, Path(args.plots)):
                 log(f"plot {p}")
     log(f"results: {out_dir / (stamp + '.json')}")
     return 0

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _bench_files import checkpoint_files, warm_files
-from _bench_spec import MiB
+from harness.files import checkpoint_files, warm_files
+from harness.spec import MiB
 
 
 def drop_page_cache(dirs: list[str] | list[Path] | tuple[str, ...] = ()) -> str:

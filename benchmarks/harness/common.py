@@ -4,11 +4,11 @@ Everything a rank does is in ``rank_load``: it builds its (poisoned) destination
 synchronises with the other ranks, optionally drops the page cache, then measures one load
 (wall clock, ``/proc/self/io`` read_bytes, resident memory, collectives called) with dcp or
 with torch.distributed.checkpoint, and afterwards checks every loaded value against the
-files. Ranks are real gloo processes started by ``_bench_launch.Launcher``.
+files. Ranks are real gloo processes started by ``harness.launch.Launcher``.
 
 The pieces below it live one module down, so that no two harness modules import each other:
-``_bench_spec`` (the models and a TP rank's box), ``_bench_files`` (checkpoints on disk),
-``_bench_measure`` (bytes, memory, collectives, the page cache), ``_bench_loaders`` (each
+``harness.spec`` (the models and a TP rank's box), ``harness.files`` (checkpoints on disk),
+``harness.measure`` (bytes, memory, collectives, the page cache), ``harness.loaders`` (each
 method's load call). Their names are re-exported here, where the scripts import them.
 """
 
@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import _bench_throttle as _throttle
-from _bench_files import (
+from harness import throttle as _throttle
+from harness.files import (
     checkpoint_files,
     copy_checkpoint,
     node_copy,
@@ -31,8 +31,8 @@ from _bench_files import (
     write_hf_checkpoint,
     write_warmup_checkpoint,
 )
-from _bench_loaders import METHODS, do_load, import_for
-from _bench_measure import (
+from harness.loaders import METHODS, do_load, import_for
+from harness.measure import (
     CollectiveCounter,
     MemorySampler,
     can_drop_caches,
@@ -47,7 +47,7 @@ from _bench_measure import (
     readahead_probe,
     set_cache,
 )
-from _bench_spec import GiB, MiB, ModelSpec, SmallSpec, box, spec_nbytes, warmup_spec
+from harness.spec import GiB, MiB, ModelSpec, SmallSpec, box, spec_nbytes, warmup_spec
 
 _box = box  # the name the scripts used before the spec moved down a module
 
@@ -61,14 +61,14 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One measured load. ``method``: one of ``_bench_loaders.METHODS``.
+    """One measured load. ``method``: one of ``harness.loaders.METHODS``.
 
     ``simulate_hosts``: each simulated node gets its own ``DCP_HOST_ID``, so dcp's "auto"
     mode sees the nodes as separate hosts (as on a cluster). ``fmt``: the files' format,
     ``hf`` (safetensors + index) or ``torch_dcp`` (torch.distributed.checkpoint's default
     writer). ``verify_dir``: the HF checkpoint holding the same tensors, to check the loaded
     values against (default: the node's own checkpoint, which must then be HF).
-    ``cgroups``: blkio cgroup directories (``_bench_throttle``); node k's ranks run the
+    ``cgroups``: blkio cgroup directories (``harness.throttle``); node k's ranks run the
     measured load inside ``cgroups[k]``, or all inside ``cgroups[0]`` when there is one.
     """
 

@@ -9,7 +9,7 @@ destination through ``planner.resolve_tensor`` / ``commit_tensor``) and a final 
 ``timed_torch_load`` wraps those methods on the planner and reader instances it passes to
 ``torch.distributed.checkpoint.load`` (``functools.wraps`` keeps the signatures torch
 inspects), so nothing inside torch is changed. Collective time is taken by
-``_bench_common.CollectiveCounter`` around the same call.
+``harness.common.CollectiveCounter`` around the same call.
 
 Phases (seconds, this rank): ``metadata`` (read_metadata + set_up_*), ``local plan``
 (create_local_plan + prepare_local_plan), ``global plan`` (create_global_plan +

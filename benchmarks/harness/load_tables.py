@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import _bench_attrib
-from _bench_layouts import LAYOUT_NAMES, METHOD_NAMES, TITLES, disk_bw, med, ratio_in_run, runs_of
-from _bench_stats import fmt_bytes, median, table
+from harness import attrib
+from harness.layouts import LAYOUT_NAMES, METHOD_NAMES, TITLES, disk_bw, med, ratio_in_run, runs_of
+from harness.stats import fmt_bytes, median, table
 
 
 def tables(res: dict[str, Any]) -> list[str]:
@@ -23,7 +23,7 @@ def tables(res: dict[str, Any]) -> list[str]:
         out.append(_per_node(res, layouts, methods))
     if "dcp" in methods and "dcp-reread" in methods:
         out.append(_reread(res, layouts, modes))
-    out.append(_bench_attrib.tables(res, METHOD_NAMES, LAYOUT_NAMES)[0])
+    out.append(attrib.tables(res, METHOD_NAMES, LAYOUT_NAMES)[0])
     out += [_phases(res, layouts, modes, methods), _memory(res, layouts, modes, methods)]
     return [x for x in out if x]
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _bench_stats import median
+from harness.stats import median
 
 
 def slowest(fn: Callable[[], Any]) -> float:

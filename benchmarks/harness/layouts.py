@@ -2,7 +2,7 @@
 model, the peers, one measured load, and the per-repeat ratios their tables and goals use.
 
 Used by ``bench_load_replicated`` (scenarios 1 and 4), ``bench_load_throttled`` (6),
-``bench_load_single`` (3), the report (``_bench_report``, ``_bench_goals``, ``_bench_plot``)
+``bench_load_single`` (3), the report (``harness.report``, ``harness.goals``, ``harness.plot``)
 and the scripts that load the same model (``bench_sources``, ``bench_torch_dcp_reshard``).
 """
 
@@ -12,16 +12,16 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from _bench_common import Run, rank_load
-from _bench_spec import ModelSpec
-from _bench_stats import by_repeat, median, ratio_by_repeat, summarise
+from harness.common import Run, rank_load
+from harness.spec import ModelSpec
+from harness.stats import by_repeat, median, ratio_by_repeat, summarise
 
 LAYOUTS = {"dp4": (4, 1), "dp2tp2": (2, 2), "dp4tp2": (4, 2), "dp2": (2, 1), "dp8": (8, 1),
            "fsdp4-dp2tp2": (2, 2)}
 LAYOUT_NAMES = {"dp4": "DP4", "dp2tp2": "DP2xTP2", "dp4tp2": "DP4xTP2", "dp2": "DP2", "dp8": "DP8",
                 "fsdp4-dp2tp2": "FSDP4 -> DP2xTP2"}
 # Layouts that load another checkpoint than the HF one: the resharding case reads the
-# FSDP-style checkpoint torch DCP's own writer saved (Shard(0) over 4 ranks, _bench_fsdp).
+# FSDP-style checkpoint torch DCP's own writer saved (Shard(0) over 4 ranks, harness.fsdp).
 SOURCES = {"fsdp4-dp2tp2": "fsdp4"}
 METHODS = ("dcp", "dcp-64k", "dcp-reread", "dcp-auto", "torch", "fastsafetensors")
 PEERS = ("fastsafetensors",)  # other loaders, run where they install; failures are reported

@@ -22,9 +22,9 @@ PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.hf_storage", "torch.distributed.tensor",
     "torch.distributed.device_mesh", "torch._dynamo", "safetensors", "safetensors.torch", "dcp_platform",
-    "dcp_reader", "dcp_broadcast", "dcp_load", "_bench_spec", "_bench_files", "_bench_measure",
-    "_bench_common", "_bench_loaders", "_bench_phases",
-    "_bench_throttle", "_bench_fsdp",
+    "dcp_reader", "dcp_broadcast", "dcp_load", "harness.spec", "harness.files", "harness.measure",
+    "harness.common", "harness.loaders", "harness.phases",
+    "harness.throttle", "harness.fsdp",
 ]
 # Peers are preloaded where they are installed; where one is not, its runs report why.
 PEER_PRELOAD = ["fastsafetensors"]

@@ -1,7 +1,7 @@
 """The report of one full run from its results: fixed method text, then every table and number
 computed from the results (nothing typed in by hand).
 
-    python benchmarks/_bench_report.py bench-results/<time>.json > report.md
+    python benchmarks/harness/report.py bench-results/<time>.json > report.md
 
 Its sections are what benchmarks/results/ holds per capability (load.md, throttled.md,
 memory.md, one-process.md, broadcast.md, planning.md, checksums.md, run-all.md), and its
@@ -15,18 +15,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/: its scripts and harness/
 sys.path.insert(0, str(HERE))
 
-import _bench_attrib  # noqa: E402
-import _bench_goals  # noqa: E402
 import bench_checksums  # noqa: E402
 import bench_load_plan  # noqa: E402
 import bench_load_replicated as rep_mod  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
 import bench_load_throttled  # noqa: E402
-from _bench_stats import fmt_bytes, median, table, unique_failures  # noqa: E402
+from harness import attrib, goals  # noqa: E402
+from harness.stats import fmt_bytes, median, table, unique_failures  # noqa: E402
 
 HEAD = """# Benchmarks: dcp against torch.distributed.checkpoint
 
@@ -36,7 +35,7 @@ case, torch DCP's own format) and with the same launcher (real gloo ranks, one f
 inside one repeat (the loaders run one after the other on the same files; the method order
 rotates every repeat) and the median of those per-repeat ratios is given; times are medians
 over the repeats. The raw per-rank results are in `bench-results/<time>.json` (gitignored);
-this file is generated from them by `benchmarks/_bench_report.py`.
+this file is generated from them by `benchmarks/harness/report.py`.
 """
 
 COMMANDS = """## Commands
@@ -79,7 +78,7 @@ METHOD = """## How it is measured
   norms. TP = 1: plain tensors (as under DDP). Every destination is allocated and filled with
   NaN before the load; in the first repeat every value is compared with the file afterwards
   (a NaN or a wrong byte fails the run).
-- **Launcher.** `benchmarks/_bench_launch.py`: the properties of
+- **Launcher.** `benchmarks/harness/launch.py`: the properties of
   `dcp_platform.testing.run_ranks` (forkserver, gloo through a `file://` store, explicit
   timeouts, every rank's failure reported) with both loaders and their dependencies
   imported once in the forkserver (importing them in every rank took 25-40 s per run on this
@@ -130,7 +129,7 @@ METHOD = """## How it is measured
 - **Phase attribution.** dcp: `LoadReport.seconds`. torch DCP: its planner's and reader's
   public steps (`read_metadata`, `create_local_plan`, `create_global_plan`, `read_data`, ...)
   timed by wrapping those methods on the instances passed to `load`
-  (`benchmarks/_bench_phases.py`); collectives timed as above.
+  (`benchmarks/harness/phases.py`); collectives timed as above.
 """
 
 
@@ -352,7 +351,7 @@ def _amp_miss(rep: dict[str, Any]) -> list[str]:
                median([r["summary"].get("report_bytes_read_total", 0) for r in _r(rep, lay, "cold", m)]) / unique)
               for lay in dict.fromkeys(r["layout"] for r in rep["runs"])
               for m in ("dcp-auto",) if _r(rep, lay, "cold", m)]
-    missed = [x for x in missed if x[1] > _bench_goals.AMPLIFICATION_SLACK]
+    missed = [x for x in missed if x[1] > goals.AMPLIFICATION_SLACK]
     if not missed:
         return []
     p = rep.get("probe") or {}
@@ -374,7 +373,7 @@ def _amp_miss(rep: dict[str, Any]) -> list[str]:
 
 
 def _warm_miss(rep: dict[str, Any]) -> list[str]:
-    _, gaps = _bench_attrib.tables(rep, rep_mod.METHOD_NAMES, rep_mod.LAYOUT_NAMES)
+    _, gaps = attrib.tables(rep, rep_mod.METHOD_NAMES, rep_mod.LAYOUT_NAMES)
     slow = [(lay, m, g, col) for lay, m, g, col in gaps if m == "dcp-auto"
             and rep_mod.ratio_in_run(rep, lay, "warm", m, "torch") > 1.0]
     if not slow:
@@ -407,7 +406,7 @@ def _link_miss(rep: dict[str, Any], th: dict[str, Any] | None) -> list[str]:
 def _cpu_line(rep: dict[str, Any], mode: str) -> str:
     """CPU used by all ranks together, dcp's default against torch DCP, per layout: the wall
     time that CPU needs at least on this machine's cores."""
-    cores = _bench_goals.CORES
+    cores = goals.CORES
     parts = []
     for lay in dict.fromkeys(r["layout"] for r in rep["runs"]):
         cpu = {m: [r["summary"]["cpu_s_total"] for r in _r(rep, lay, mode, m) if "cpu_s_total" in r["summary"]]
@@ -470,12 +469,12 @@ def render(res: dict[str, Any]) -> str:
             parts += mod.tables(res[name])
     parts.append(_peers(res))
     parts.append(_plots(res))
-    parts += _bench_goals.goals(res)
+    parts += goals.goals(res)
     parts += [_misses(res), _rule(res)]
     return "\n\n".join(p.strip("\n") for p in parts if p) + "\n"
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: _bench_report.py RESULTS.json")
+        sys.exit("usage: harness/report.py RESULTS.json")
     sys.stdout.write(render(json.loads(Path(sys.argv[1]).read_text())))

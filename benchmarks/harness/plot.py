@@ -9,8 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _bench_layouts import LAYOUT_NAMES, LAYOUTS, METHOD_NAMES  # noqa: E402
-from _bench_stats import median  # noqa: E402
+from harness.layouts import LAYOUT_NAMES, LAYOUTS, METHOD_NAMES  # noqa: E402
+from harness.stats import median  # noqa: E402
 
 COLORS = {"dcp": "#1f77b4", "dcp-64k": "#6baed6", "dcp-reread": "#c6dbef", "dcp-auto": "#2ca02c",
           "torch": "#d62728", "fastsafetensors": "#9467bd"}

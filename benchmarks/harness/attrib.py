@@ -1,8 +1,8 @@
 """Where the warm one-host time goes: dcp's and torch DCP's phases side by side, per rank.
 
 dcp's phases are its own ``LoadReport.seconds``; torch DCP's are taken by timing its public
-planner and reader steps (``_bench_phases``); blocking collective time comes from the
-wrapped ``torch.distributed`` functions (``_bench_common.CollectiveCounter``), the same for
+planner and reader steps (``harness.phases``); blocking collective time comes from the
+wrapped ``torch.distributed`` functions (``harness.common.CollectiveCounter``), the same for
 both. The phases are mapped onto common columns:
 
 - metadata: dcp ``prepare`` (metadata and this rank's wants) / torch ``read_metadata`` +
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _bench_stats import median, table
+from harness.stats import median, table
 
 COLUMNS = ("metadata", "planning", "validate", "read + copy", "rest")
 _PLAN_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list")

@@ -10,10 +10,10 @@ import math
 import os
 from typing import Any
 
-import _bench_attrib
 import bench_load_throttled as thr
-from _bench_layouts import LAYOUT_NAMES, METHOD_NAMES
-from _bench_stats import MiB, by_repeat, fmt_bytes, median, ratio_by_repeat, table, unique_failures
+from harness import attrib
+from harness.layouts import LAYOUT_NAMES, METHOD_NAMES
+from harness.stats import MiB, by_repeat, fmt_bytes, median, ratio_by_repeat, table, unique_failures
 
 # A measured read amplification at most this counts as reading once: /proc/self/io counts
 # whole pages and kernel readahead, so a read-once load measures a little above 1 (issue 9).
@@ -192,7 +192,7 @@ def _peers(results: dict[str, Any]) -> list[list[str]]:
 
 def _warm(rep: dict[str, Any], layouts: list[str]) -> list[list[str]]:
     rows = []
-    _, gaps = _bench_attrib.tables(rep, METHOD_NAMES, LAYOUT_NAMES)
+    _, gaps = attrib.tables(rep, METHOD_NAMES, LAYOUT_NAMES)
     for lay in layouts:
         m = "dcp-auto"
         if not _rep(rep, layout=lay, mode="warm", method=m) or not _rep(rep, layout=lay, mode="warm", method="torch"):

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from _bench_phases import timed_torch_load
-from _bench_spec import box
+from harness.phases import timed_torch_load
+from harness.spec import box
 
 METHODS = ("dcp", "dcp-reread", "dcp-auto", "torch", "safetensors", "fastsafetensors")
 DCP_MODES: dict[str, bool | str] = {"dcp": True, "dcp-reread": False, "dcp-auto": "auto"}

@@ -1,6 +1,6 @@
 """Benchmark checkpoints on disk: written from a spec, copied per simulated node, warmed.
 
-``write_hf_checkpoint`` writes a ``_bench_spec`` model as Hugging Face safetensors shards and
+``write_hf_checkpoint`` writes a ``harness.spec`` model as Hugging Face safetensors shards and
 reuses files written from the same spec (a ``bench-spec.json`` marker, written last).
 """
 
@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from _bench_spec import ITEMSIZE, MiB, ModelSpec, SmallSpec, spec_nbytes, warmup_spec
+from harness.spec import ITEMSIZE, MiB, ModelSpec, SmallSpec, spec_nbytes, warmup_spec
 
 
 def write_hf_checkpoint(path: Path, spec: ModelSpec | SmallSpec, seed: int = 0) -> int:
