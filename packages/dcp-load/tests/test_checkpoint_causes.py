@@ -1,6 +1,6 @@
 """What ranks are told when they planned from different checkpoint metadata
 (``_digest.checkpoint_causes``, used by the derived and the gathered paths alike; the
-real ranks: tests-integration/test_integ_disagree.py): ranks that opened different
+real ranks: tests-integration/failures/test_integ_disagree.py): ranks that opened different
 checkpoints are shown which rank opened which, a shared path whose metadata differs
 names the ranks that differ, and equal metadata is no problem."""
 

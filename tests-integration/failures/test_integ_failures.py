@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from dcp_platform.testing import RankDied, run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_failure_cases as cases  # noqa: E402
 
