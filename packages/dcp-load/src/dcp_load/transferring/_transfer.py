@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from .._errors import LoadError
 from .._load import DEFAULT_BATCH_BYTES, fallback_platform, resolve_platform
 from ..layouts._sources import SourceMap, sources_text
 from ..layouts._targets import Target
-from ..plan._digest import all_reduce, digest
+from ..plan._digest import digest
 from ..run._coordinate import (
     Coordinator,
     next_slot,
@@ -35,6 +34,7 @@ from ..run._coordinate import (
 from ..run._validate import exchange
 from ._delta import Delta
 from ._fp8 import plan_layouts
+from ._kept import agree, forget, group_object, keep
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, lazily, mine, move, prepare
 from ._planner import TransferPlan
@@ -46,11 +46,6 @@ logger = logging.getLogger(__name__)
 
 #: Broadcasts in flight per rank (dcp-broadcast's default: its README measures it).
 MAX_IN_FLIGHT = 8
-
-#: Plans kept per process (one per pair of layouts: a job that moves a policy's and a
-#: reference model's weights keeps both); the oldest is dropped, with its groups.
-MAX_PLANS = 4
-
 
 
 @dataclass(frozen=True)
@@ -91,9 +86,12 @@ class TransferReport:
 
 @dataclass
 class _Entry:
-    """A plan kept for reuse, with the targets it was made from and its groups."""
+    """A plan kept for reuse, with the targets it was made from and its groups. ``job``:
+    the plan's name on every rank (a digest of every rank's ``key``); ``key``: this rank's
+    layout and settings when it was made."""
 
     job: int
+    key: int
     plan: TransferPlan
     src: dict[str, Target]
     dst: dict[str, Target]
@@ -106,37 +104,6 @@ class _Entry:
     pointers: Any = None
     fp8: Any = None  # this rank's ``_fp8.Quantizer`` when the plan has FP8 blockwise destinations
     delta: Any = None  # ``_delta.Delta`` of a plan made with delta=True
-
-
-_PLANS: OrderedDict[int, _Entry] = OrderedDict()
-
-
-def _group_object(platform: Any) -> Any:
-    """The group object ``platform``'s collectives run within (the default group for the
-    world), or None without one."""
-    try:
-        return platform.world_group() if platform.is_distributed() else None
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-def _alive(group: Any) -> bool:
-    """Whether ``group`` may still carry broadcasts: registered with torch.distributed (a
-    destroyed group is not), or a group dcp-platform joined (alive while referenced)."""
-    if group is None:
-        return False
-    if getattr(group, "dcp_group_key", None) is not None:
-        return True
-    from dcp_platform._scope import registered
-
-    return registered(group)
-
-
-def _drop(entry: _Entry) -> None:
-    # Every rank drops the same plans at the same call (their caches follow one agreed
-    # sequence), after every broadcast on these groups has completed (the final check).
-    if _alive(entry.world):
-        entry.groups.close(wait_for_peers=False, raise_errors=False)
 
 
 def _check_arguments(batch_bytes: Any, max_in_flight: Any, timeout: Any) -> None:
@@ -184,7 +151,9 @@ def transfer(
     ``timeout``: how long the ranks wait for each other (as ``load``'s). ``keep_plan``:
     keep the plan, the shardings and the broadcast groups for the next transfer between the
     same layouts (checked by one all-reduce of a digest on every call; a change on any rank
-    plans again everywhere); ``False`` forgets them after this call.
+    plans again everywhere; up to ``_kept.MAX_PLANS`` per process group, the same on every
+    rank); ``False`` forgets them after this call (a plan is kept only when every rank
+    keeps it).
 
     Every problem (a destination no rank holds, shapes that differ, a cast refused, ranks
     passing different settings) raises ``LoadError`` on every rank before any destination
@@ -231,37 +200,6 @@ def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any]
     return source_map, platform
 
 
-def _split(value: int) -> list[int]:
-    return [value >> 31, value & ((1 << 31) - 1)]
-
-
-def _agree(coord: Coordinator, platform: Any, collective: bool, key: int, failed: bool) -> _Entry | None:
-    """The kept plan of this layout when every rank has one and all are the same plan
-    (one all-reduce: the MAX of the plan digests and of their negations must both equal
-    each rank's own), else None (every rank alike)."""
-    entry = _PLANS.get(key)
-    if entry is not None and entry.world is not _group_object(platform):
-        del _PLANS[key]  # made over a process group that was destroyed since
-        entry = None
-    miss = entry is None or failed
-    if not collective:
-        return None if miss else entry
-    parts = _split(entry.job if entry is not None else 0)
-    lanes = all_reduce(platform, [int(miss), *parts, *(-p for p in parts)], "max", coord.waiter)
-    same = lanes[0] == 0 and lanes[1:3] == parts and lanes[3:5] == [-p for p in parts]
-    return entry if same else None
-
-
-_SETTINGS = ("batch_bytes", "max_in_flight", "allow_dtype_cast", "sources", "staging", "delta")
-
-
-def _settings_differ(mine: tuple[Any, ...], first: tuple[Any, ...]) -> str:
-    """The transfer settings in which a rank differs from rank 0, named, for the refusal."""
-    shown = [f"{name}={a!s:.300} (rank 0: {b!s:.300})" for name, a, b in zip(_SETTINGS, mine, first, strict=True)
-             if a != b]
-    return f"transfer settings differ from rank 0's: {'; '.join(shown)}; every rank must pass the same settings"
-
-
 def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
               key: int, settings: tuple[Any, ...], source_map: SourceMap | None) -> _Entry:
     """Gather every rank's layout (one all-gather), check it and plan; every problem raises
@@ -284,9 +222,10 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
     if plan.errors:  # the same on every rank: the exchange raises it everywhere, naming each rank
         coord.exchange(exchange, plan.errors.get(me, []), "validate", collective=collective)
         raise LoadError(plan.errors, "validate")  # not reached: every rank has the same errors
-    return _Entry(job=digest(tuple(g[2] for g in gathered)), plan=plan, src=src.targets, dst=dst.targets,
+    return _Entry(job=digest(tuple(g[2] for g in gathered)), key=key, plan=plan,
+                  src=src.targets, dst=dst.targets,
                   rounds=mine(plan, me, caps.subgroups), groups=GroupManager(platform, watch=coord.waiter),
-                  world=_group_object(platform), outside=(*src.outside, *dst.outside), fp8=fp8,
+                  world=group_object(platform), outside=(*src.outside, *dst.outside), fp8=fp8,
                   delta=Delta(me, max(batch_bytes, 1 << 20) * STAGE_BATCHES) if settings[5] else None,
                   sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
 
@@ -328,19 +267,13 @@ def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapp
     return entry.prepared
 
 
-def _keep(key: int, entry: _Entry) -> None:
-    _PLANS[key] = entry
-    _PLANS.move_to_end(key)
-    while len(_PLANS) > MAX_PLANS:
-        _drop(_PLANS.popitem(last=False)[1])
-
-
 def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
               settings: tuple[Any, ...], source_map: SourceMap | None, *, keep_plan: bool,
               start: float) -> TransferReport:
     """``transfer`` once every rank arrived: agree on a kept plan or plan anew, move, check."""
     key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"))
-    entry = _agree(coord, platform, collective, key, bool(errors) or unusable_cause(platform) is not None)
+    entry, kept_after = agree(platform, collective, key, failed=bool(errors) or unusable_cause(platform) is not None,
+                              keep_plan=keep_plan, watch=coord.waiter)
     reused = entry is not None
     control = int(collective)
     if entry is None:
@@ -359,11 +292,9 @@ def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
         (job_sent,) = coord.check([], "execute", collective=collective, sums=(stats.bytes_sent,))
         done = True
     finally:
-        if not done or not keep_plan:
-            _PLANS.pop(key, None)
-            entry.groups.close(wait_for_peers=done, raise_errors=done)
-    if keep_plan and not reused:
-        _keep(key, entry)
+        if not done:
+            forget(platform, entry)
+    keep(platform, entry, kept_after)  # or forget it: decided alike on every rank (``agree``)
     control += int(collective)
     return _report(platform, collective, entry, dst_t, stats, reused=reused, control=control, job_sent=job_sent,
                    seconds={"plan": planned - start, "execute": stats.seconds,
