@@ -200,6 +200,16 @@ def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any]
     return source_map, platform
 
 
+_SETTINGS = ("batch_bytes", "max_in_flight", "allow_dtype_cast", "sources", "staging", "delta")
+
+
+def _settings_differ(mine: tuple[Any, ...], first: tuple[Any, ...]) -> str:
+    """The transfer settings in which a rank differs from rank 0, named, for the refusal."""
+    shown = [f"{name}={a!s:.300} (rank 0: {b!s:.300})" for name, a, b in zip(_SETTINGS, mine, first, strict=True)
+             if a != b]
+    return f"transfer settings differ from rank 0's: {'; '.join(shown)}; every rank must pass the same settings"
+
+
 def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
               key: int, settings: tuple[Any, ...], source_map: SourceMap | None) -> _Entry:
     """Gather every rank's layout (one all-gather), check it and plan; every problem raises
