@@ -1,5 +1,5 @@
 """Save-crash trials, full count (not a test; the CI subset is
-tests-integration/test_integ_save_crash.py): saves and overwrites by one process and by 2
+tests-integration/save/test_integ_save_crash.py): saves and overwrites by one process and by 2
 gloo ranks, SIGKILLed at random points until ``--kills`` of them were killed before they
 returned, after which the directory
 must hold the old checkpoint or the new one, whole and exact, or none when there was none.
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration", "save"))
 
 import save_crash as sc  # noqa: E402
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 from dcp_platform.testing import run_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_support"))  # helpers shared by several areas
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "_support"))  # helpers shared by several areas
 sys.path.insert(0, os.path.dirname(__file__))
 
 import integ_save_cases as cases  # noqa: E402
