@@ -60,6 +60,17 @@ def join(side: str, rank: int, port: int, sizes: tuple[int, int], timeout: float
     return dcp_load.transfer_group("127.0.0.1", port, side=side, rank=rank, world_sizes=sizes, timeout=timeout)
 
 
+def linger(group: Any, side: str, rank: int, survivors: int) -> None:
+    """After a failure: trainer rank 0 (which serves the store) stays until every surviving
+    rank has its result, as a real trainer outlives one failed update (at most 30 s)."""
+    store = group.get_group_store()
+    done = store.add("test-reported", 1)
+    deadline = time.monotonic() + 30
+    while side == "trainer" and rank == 0 and done < survivors and time.monotonic() < deadline:
+        time.sleep(0.05)
+        done = store.add("test-reported", 0)
+
+
 def _default_group_works(world: int) -> bool:
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -142,8 +153,10 @@ def engine_dies(rank: int, world: int, side: str, port: int, sizes: tuple[int, i
     try:
         dcp_load.transfer(src, dst, process_group=group, timeout=5)
     except dcp_load.LoadError as exc:
-        return {"message": str(exc), "seconds": time.monotonic() - start,
-                "untouched": side == "trainer" or bool(dst["w"].isnan().all())}
+        out = {"message": str(exc), "seconds": time.monotonic() - start,
+               "untouched": side == "trainer" or bool(dst["w"].isnan().all())}
+        linger(group, side, rank, 3)
+        return out
     return {"message": None}
 
 
@@ -357,5 +370,7 @@ def engine_dies_mid_transfer(rank: int, world: int, side: str, port: int, sizes:
     try:
         dcp_load.transfer(src, dst, process_group=group, timeout=5)
     except dcp_load.LoadError as exc:
-        return {"message": str(exc), "seconds": time.monotonic() - start}
+        out = {"message": str(exc), "seconds": time.monotonic() - start}
+        linger(group, side, rank, 3)
+        return out
     return {"message": None}

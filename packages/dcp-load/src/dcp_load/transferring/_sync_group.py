@@ -41,6 +41,12 @@ SIDES = ("trainer", "engine")
 POLL_S = 0.02
 
 
+#: How long the hosting rank keeps the store up after a failed handshake for the others to
+#: fail too: they read the same greetings within milliseconds of each other; a rank that
+#: never came is not waited for longer than this.
+LINGER_S = 10.0
+
+
 class TransferGroupError(RuntimeError):
     """The two jobs could not form a transfer group: they disagree, or a rank never came."""
 
@@ -209,6 +215,32 @@ def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], second
                                      "backend, with the same dcp-load version")
 
 
+def _handshake_once(store: Any, hello: dict[str, Any], sizes: tuple[int, int], seconds: float, who: str,
+                    hosting: bool) -> None:
+    """``_handshake``; on failure the hosting rank keeps the store up until every rank it
+    expects has failed too (at most ``seconds``), so that each reads the disagreement itself
+    rather than a store that went away; a lost store is named as such."""
+    try:
+        _handshake(store, hello, sizes, seconds, who)
+    except TransferGroupError:
+        _leave(store, hosting, sum(sizes), min(seconds, LINGER_S))
+        raise
+    except dist.DistError as exc:
+        raise TransferGroupError(f"transfer_group ({who}): trainer rank 0's store went away during the handshake "
+                                 f"(that rank failed or left): {type(exc).__name__}: {exc}") from exc
+
+
+def _leave(store: Any, hosting: bool, expected: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    try:
+        left = store.add("failed", 1)
+        while hosting and left < expected and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            left = store.add("failed", 0)
+    except dist.DistError:
+        pass  # the store is gone: nothing to keep up
+
+
 def _backends(group: TransferGroup, store: Any, rank: int, size: int, backend: str, seconds: float) -> None:
     """Gloo for host tensors (and the control messages), NCCL for CUDA tensors when asked."""
     timeout = timedelta(seconds=seconds)
@@ -248,7 +280,7 @@ def transfer_group(host: str, port: int, *, side: str, rank: int, world_sizes: S
     hosting = side == "trainer" and rank == 0
     server = _connect(host, int(port), hosting, seconds, who)
     store = dist.PrefixStore(f"dcp-sync/{name}/", server)
-    _handshake(store, _greeting(name, side, rank, sizes, backend), sizes, seconds, who)
+    _handshake_once(store, _greeting(name, side, rank, sizes, backend), sizes, seconds, who, hosting)
     me = rank if side == "trainer" else sizes[0] + rank
     group = TransferGroup(dist.PrefixStore("group/", store), me, sum(sizes), side=side, side_rank=rank,
                           world_sizes=sizes, key=f"transfer-group:{name}@{host}:{port}", hosted=server)
