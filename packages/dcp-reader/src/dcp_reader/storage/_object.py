@@ -63,7 +63,7 @@ HEAD_BYTES = 64 * 1024
 
 #: A GET's body is copied into its destination in pieces of at least this size as they
 #: arrive: the memory a read holds is ``concurrency`` x this, not its range (measured with
-#: tests-integration/test_integ_s3_memory.py: a 256 MiB tensor read from moto on loopback
+#: tests-integration/storage/test_integ_s3_memory.py: a 256 MiB tensor read from moto on loopback
 #: took as long in 1 MiB pieces as in whole 8 MiB bodies; smaller pieces cost more Python
 #: calls per byte).
 STREAM_BYTES = 1024 * 1024

@@ -22,7 +22,7 @@ pytest.importorskip("obstore", reason="the S3 tests need obstore (nox installs i
 
 from dcp_platform.testing import run_ranks  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_s3_columns_cases as cases  # noqa: E402
 import s3_server  # noqa: E402

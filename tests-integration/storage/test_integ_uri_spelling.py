@@ -14,7 +14,7 @@ from dcp_platform.testing import run_ranks
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (nox installs it)")
 pytest.importorskip("obstore", reason="the S3 tests need obstore (nox installs it)")
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_uri_cases as cases  # noqa: E402
 import s3_server  # noqa: E402

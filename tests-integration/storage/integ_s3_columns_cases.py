@@ -1,4 +1,4 @@
-"""In-rank function and checkpoint of tests-integration/test_integ_s3_columns.py (not a test
+"""In-rank function and checkpoint of tests-integration/storage/test_integ_s3_columns.py (not a test
 module: the ranks import it by name)."""
 
 from __future__ import annotations

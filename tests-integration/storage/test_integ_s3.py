@@ -19,9 +19,9 @@ pytest.importorskip("obstore", reason="the S3 tests need obstore (nox installs i
 import torch  # noqa: E402
 from dcp_platform.testing import run_ranks  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "dcp-reader" / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "packages" / "dcp-reader" / "tests"))
 import integ_s3_cases as cases  # noqa: E402
 import s3_server  # noqa: E402
 
