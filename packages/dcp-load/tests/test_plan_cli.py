@@ -1,5 +1,5 @@
 """``dcp plan``: the dry run's JSON and text output for built-in models and a checkpoint
-directory, each broadcast mode planned as load plans it (tests-integration/test_integ_plan.py
+directory, each broadcast mode planned as load plans it (tests-integration/load/test_integ_plan.py
 compares the plan with real loads), its numbers checked against the global plan built from
 every rank's gathered wants and the broadcasts against dcp_broadcast's packing, the PNG, clear errors for bad arguments and unreadable checkpoints, the histogram's
 bins (property-tested, as is the mesh parsing), the terminal status line, and role timing

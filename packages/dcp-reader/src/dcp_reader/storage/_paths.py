@@ -75,7 +75,7 @@ def open_regular(root_real: str, name: str, *, key: str | None = None) -> int:
         # small header read at a file's start left a readahead mark that the next read (of the
         # first tensor, by any descriptor) turned into ~10 MiB fetched ahead: two simulated
         # nodes reading DP2 x TP2 boxes fetched 1.50 x the unique bytes with it, 1.00 x
-        # without (tests-integration/test_integ_read_once). Each box is one large read, or one
+        # without (tests-integration/load/test_integ_read_once). Each box is one large read, or one
         # read per row where it is sparse, so readahead buys nothing here.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd

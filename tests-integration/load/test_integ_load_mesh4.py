@@ -18,7 +18,7 @@ import pytest
 import torch
 from dcp_platform.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_load_cases as cases  # noqa: E402
 

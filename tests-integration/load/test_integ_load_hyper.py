@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from dcp_platform.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "_support"))  # helpers shared by several areas
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "packages" / "dcp-reader" / "tests"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "packages" / "dcp-reader" / "tests"))
 import hyper_writer as hw  # noqa: E402
 import integ_load_hyper_cases as cases  # noqa: E402
 

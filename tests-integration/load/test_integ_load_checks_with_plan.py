@@ -18,7 +18,7 @@ import sys
 
 from dcp_platform.testing import run_ranks
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "_support"))  # helpers shared by several areas
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "_support"))  # helpers shared by several areas
 sys.path.insert(0, os.path.dirname(__file__))
 
 import integ_checks_with_plan_cases as cases  # noqa: E402
