@@ -58,6 +58,7 @@ def test_one_extra_transfer_fails_alone(tmp_path):
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @example(calls=[("extra", 0), ("transfer", 1)])  # the left-behind rank refuses: the refusal is the next call's
 @example(calls=[("extra", 0), ("transfer", 0)])  # the extra rank refuses its next call: the other joins it
+@example(calls=[("extra", 0), ("save", 1)])  # the left-behind rank reaches the next transfer first
 @given(st.lists(st.tuples(st.sampled_from(["transfer", "save", "async", "extra"]), st.integers(-1, 1)),
                 min_size=1, max_size=5))
 def test_after_any_sequence_the_next_good_calls_succeed(tmp_path_factory, calls):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -68,6 +69,11 @@ _COUNTS_LOCK = threading.Lock()
 _UNUSABLE: dict[str, tuple[Any, str]] = {}
 
 WORLD = "world"
+
+#: How long a rank the others gave up on looks for them in the next call before it fails
+#: with them: the rank that made one call more may still be leaving an error of its own
+#: (a refusal's abort is read within a poll, well under a second, even on 2 busy cores).
+LEFT_BEHIND_GRACE_S = 5.0
 
 
 def next_slot(operation: str, scope: str = WORLD) -> int:
@@ -189,7 +195,13 @@ def others_moved_on(platform: Any, operation: str, slot: int, scope: str) -> boo
     if not Watch(platform, f"dcp-{operation}/{slot}").left_behind():
         return False
     store, following = platform.store(), f"dcp-{operation}/{peek_slot(operation, scope)}"
-    return any(store.check([f"{following}/{key}"]) for key in ("arrived", "abort"))
+    end = time.monotonic() + LEFT_BEHIND_GRACE_S
+    while True:
+        if any(store.check([f"{following}/{key}"]) for key in ("arrived", "abort")):
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
 
 
 def refused_together(operation: str, slot: int | None, process_group: Any, step: Any) -> Any:
