@@ -7,6 +7,7 @@ on object storage."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -36,21 +37,38 @@ def _geometry(chunk, offsets, sizes, item=2):
     return rc.BoxGeometry(chunk, offsets, sizes, item)
 
 
-def test_page_cache_covers_short_runs_and_reads_long_ones_exactly():
+def test_page_cache_maps_short_runs_and_reads_long_ones_with_preadv():
+    # dcp-reader copies runs up to MAPPED_RUN_MAX out of a memory map: one call, no over-read
     limit = 16 * MiB
-    half = rc.choose(_geometry((4096, 1024), (0, 512), (4096, 512)), rc.LOCAL_COST, limit)
+    for chunk, offsets, sizes in [((4096, 1024), (0, 512), (4096, 512)), ((65536, 64), (0, 32), (65536, 32)),
+                                  ((50304, 768), (0, 384), (50304, 384)),
+                                  ((16, 512, 512), (0, 0, 256), (16, 512, 256)),
+                                  ((256, 256, 3, 3), (0, 0, 0, 1), (256, 256, 3, 1)),
+                                  ((4096, 1024), (0, 0), (4096, 8))]:
+        c = rc.choose(_geometry(chunk, offsets, sizes), rc.LOCAL_COST, limit)
+        assert not c.covering and c.calls == 1 and c.fetched == math.prod(sizes) * 2, (chunk, sizes, c)
+    long = rc.choose(_geometry((512, 65536), (0, 32768), (512, 16384)), rc.LOCAL_COST, limit)
+    assert not long.covering and long.calls == 1 and long.level == 1  # 32 KiB runs: preadv, 512 a call
+    fewer = rc.choose(_geometry((4096, 1024), (0, 512), (2, 512)), rc.LOCAL_COST, limit)
+    assert fewer.covering  # two runs: a covering read's call is cheaper than a map
+
+
+def test_page_cache_unmapped_covers_short_runs_and_reads_long_ones_exactly():
+    limit = 16 * MiB
+    rc_local = dataclasses.replace(rc.LOCAL_COST, map_s=None)  # a storage whose files are not mapped
+    half = rc.choose(_geometry((4096, 1024), (0, 512), (4096, 512)), rc_local, limit)
     assert not half.covering and half.calls == 8  # 1 KiB rows: scattered natively, 512 a call
-    narrow = rc.choose(_geometry((65536, 64), (0, 32), (65536, 32)), rc.LOCAL_COST, limit)
+    narrow = rc.choose(_geometry((65536, 64), (0, 32), (65536, 32)), rc_local, limit)
     assert narrow.covering and narrow.level == 0  # 64 B rows: the run count outweighs the bytes
-    experts = rc.choose(_geometry((16, 512, 512), (0, 0, 256), (16, 512, 256)), rc.LOCAL_COST, limit)
+    experts = rc.choose(_geometry((16, 512, 512), (0, 0, 256), (16, 512, 256)), rc_local, limit)
     assert experts.covering  # runs over two dims: read run by run in Python, so covered
-    conv = rc.choose(_geometry((256, 256, 3, 3), (0, 0, 0, 1), (256, 256, 3, 1)), rc.LOCAL_COST, limit)
+    conv = rc.choose(_geometry((256, 256, 3, 3), (0, 0, 0, 1), (256, 256, 3, 1)), rc_local, limit)
     assert conv.covering and conv.calls == 1
-    down = rc.choose(_geometry((2048, 11264), (0, 5632), (2048, 5632)), rc.LOCAL_COST, limit)
+    down = rc.choose(_geometry((2048, 11264), (0, 5632), (2048, 5632)), rc_local, limit)
     assert not down.covering  # 11 KiB runs: the extra bytes cost more than the requests
-    column = rc.choose(_geometry((4096, 1024), (2048, 0), (2048, 1024)), rc.LOCAL_COST, limit)
+    column = rc.choose(_geometry((4096, 1024), (2048, 0), (2048, 1024)), rc_local, limit)
     assert not column.covering and column.calls == 1  # contiguous: one read
-    sparse = rc.choose(_geometry((4096, 1024), (0, 0), (4096, 8)), rc.LOCAL_COST, limit)
+    sparse = rc.choose(_geometry((4096, 1024), (0, 0), (4096, 8)), rc_local, limit)
     assert not sparse.covering  # 1 column in 128: over the 8 x over-read bound
 
 
@@ -215,3 +233,22 @@ def test_covering_reads_count_what_they_fetch(tmp_path):
         assert torch.equal(box, w[:, 2:6])
         assert reader.bytes_read == 64 * 4 * 4 and reader.bytes_fetched == need
         assert math.prod(box.shape) == 256
+
+
+@pytest.mark.parametrize("dest", [torch.bfloat16, torch.float32])
+def test_short_rows_of_a_hf_file_are_copied_out_of_a_map(tmp_path, monkeypatch, dest):
+    """A Shard(1) third of a (4096, 96) bf16 weight (64 B runs, 192 B apart): copied out of a
+    memory map (a cast through a staging buffer), never covered, and the report counts the
+    box's bytes, fetched as read."""
+    from dcp_reader.formats import _safetensors_file
+
+    full = torch.randn(4096, 96).to(torch.bfloat16)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    mapped = []
+    real = _safetensors_file.map_runs
+    monkeypatch.setattr(_safetensors_file, "map_runs", lambda *a, **k: mapped.append(real(*a, **k)) or mapped[-1])
+    state = {"w": Chunk(_poisoned((4096, 32), dest), (4096, 96), (0, 32))}
+    report = dcp_load.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(state["w"].tensor, full[:, 32:64].to(dest))
+    assert mapped and all(mapped)
+    assert report.bytes_read == 4096 * 32 * 2 and report.bytes_fetched == report.bytes_read

@@ -1,6 +1,8 @@
 """One open safetensors file: its header, parsed and checked against the file size once
 when the file is opened, and reads of a box of one key with ``preadv`` into memory the
-reader owns, cut with the header's byte offsets (numpy; torch through ``torch.from_numpy``)."""
+reader owns (the short runs of a strided box copied out of a memory map of their range,
+``storage/_mapped.py``), cut with the header's byte offsets (numpy; torch through
+``torch.from_numpy``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .._errors import MetadataError, MissingKeyError, TruncatedFileError, summar
 from .._json import load_json
 from ..integrity._checksum import BlockSums, read_verified
 from ..integrity._hash_worker import HashWorker
+from ..storage._mapped import map_runs
 from ..storage._pread import close_fd, fd_size, pread_bytes, pread_into
 from ..storage._roots import open_regular
 from ..storage._scatter import pread_runs
@@ -164,8 +167,7 @@ class SafetensorsFile:
         import numpy as np
 
         out = np.empty(box.nbytes, dtype=np.uint8)
-        pread_runs(self._fd, out, self.header.data_start + e.start, box.run_offsets(), box.run_bytes,
-                   path=self.path, key=key)
+        read_runs(self._fd, out, self.header.data_start + e.start, box, path=self.path, key=key)
         return out.view(np_dtype).reshape(box.sizes)
 
     def read_into(self, key: str, slices: tuple[slice, ...], itemsize: int, out: Any, *,
@@ -182,8 +184,7 @@ class SafetensorsFile:
         if not box.contiguous:
             if sums is not None or not box.nbytes:
                 return False  # checksums are over whole blocks: read + verify the span
-            pread_runs(self._fd, out, self.header.data_start + e.start, box.run_offsets(), box.run_bytes,
-                       path=self.path, key=key)
+            read_runs(self._fd, out, self.header.data_start + e.start, box, path=self.path, key=key)
             return True
         if box.nbytes and sums is not None and sums.span(box.lo, box.hi, e.end - e.start) != (box.lo, box.hi):
             return False
@@ -252,6 +253,15 @@ class SafetensorsFile:
             self._fd = None
 
 
+def read_runs(fd: int | Any, out: Any, base: int, box: _Box, *, path: str, key: str) -> None:
+    """Fill ``out`` with the runs of ``box`` of the tensor at file offset ``base``: copied out
+    of a memory map of their range when they are short (``_mapped``), else scattered
+    (``_scatter``: ``preadv``, or an object's ranged GETs)."""
+    sizes, strides = box.run_layout()
+    if not map_runs(fd, out, base, box.lo, box.hi, sizes, strides, path=path, key=key):
+        pread_runs(fd, out, base, box.run_offsets(), box.run_bytes, path=path, key=key)
+
+
 class _Box:
     """Where a box of a C-contiguous tensor lies: its byte span [lo, hi) relative to the
     tensor's first byte, its byte strides, and its contiguous runs."""
@@ -285,6 +295,11 @@ class _Box:
             k -= 1
         self.run_bytes = run
         self._outer = k
+
+    def run_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(sizes, strides) of the box's uint8 view: its outer dims, then one run of bytes."""
+        k = self._outer
+        return (*self.sizes[:k], self.run_bytes), (*self.strides[:k], 1)
 
     def run_offsets(self) -> Any:
         k = self._outer

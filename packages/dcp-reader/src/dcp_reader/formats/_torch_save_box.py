@@ -16,8 +16,7 @@ from typing import Any
 
 from .._dtypes import itemsize, numpy_bits_dtype
 from ..storage._pread import pread_into
-from ..storage._scatter import pread_runs
-from ._safetensors_file import _Box
+from ._safetensors_file import _Box, read_runs
 from ._torch_save_zip import BlobTensor, CannotNarrow, parse_blob
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def read_box(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice, ...]
         box = _Box(t.shape, width, slices)
         if not (box.contiguous or box.hi - box.lo <= 2 * box.nbytes):
             out = np.empty(box.nbytes, dtype=np.uint8)  # sparse: a few columns of many rows
-            pread_runs(fd, out, base, box.run_offsets(), box.run_bytes, path=path, key=key)
+            read_runs(fd, out, base, box, path=path, key=key)
             return out.view(np_dtype).reshape(sizes), box.nbytes
         strides = box.strides
     else:
@@ -124,7 +123,7 @@ def read_box_into(fd: int, blob_offset: int, t: BlobTensor, slices: tuple[slice,
         box = _Box(t.shape, width, slices)
         if box.nbytes:
             counts["narrowed"] += 1
-            pread_runs(fd, out, blob_offset + t.start, box.run_offsets(), box.run_bytes, path=path, key=key)
+            read_runs(fd, out, blob_offset + t.start, box, path=path, key=key)
         return box.nbytes
     if hi > lo:
         counts["narrowed"] += 1
