@@ -22,8 +22,12 @@ its own default gloo group), joined by ``dcp_load.transfer_group`` through a TCP
 frameworks sync today: every trainer rank takes part in ``full_tensor()``, trainer rank 0
 broadcasts the full tensors in buckets of ``--bucket-mib`` to a group of itself and the
 engine ranks, and each engine rank slices its shard. Per method: the slowest rank's time
-(median over the repeats), bytes received per engine rank / bytes it keeps, peak extra
-resident memory, and the values checked.
+(median over the repeats), bytes received per engine rank / bytes it keeps, peak extra and
+peak resident memory (VmHWM), and the values checked. Also: into FP8 destinations
+(``float8_e4m3fn`` with ``_scale_inv``, quantized blockwise on the trainer), and, for
+``--steps`` steps, ``CHANGED`` of every tensor's values changed at random on the trainer
+between transfers, moved by ``delta=True`` and by a full transfer; then the goals, MET or
+missed.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,6 +48,8 @@ from dcp_platform.testing import run_ranks
 
 WORLD = 4
 SMALL_BYTES = 4096
+#: The share of each tensor's values that change between two transfers in ``--jobs``.
+CHANGED = 0.02
 
 
 def _status(field: str) -> int:
@@ -272,36 +279,117 @@ def _split_dim(name: str) -> int:
     return int(name.split(".")[1]) % 2
 
 
+def _fp8_ok(model: dict[str, Any]) -> bool:
+    """FP8 blockwise needs each trainer shard (half the rows) and each engine shard to cut on
+    128 x 128 block edges."""
+    return all(r % 256 == 0 and c % 256 == 0 for r, c in model.values())
+
+
+def _fp8_layouts(model: dict[str, Any], rank: int) -> tuple[Any, Any]:
+    """The engine's FP8 TP shards with their ``_scale_inv`` (vLLM's block-quantized layout)."""
+    import dcp_load
+
+    shards: dict[str, Any] = {}
+    shapes: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in model.items():
+        dim = _split_dim(name)
+        scale_shape = tuple(-(-s // 128) for s in shape)
+        for n, s, dtype in ((name, shape, torch.float8_e4m3fn), (f"{name}_scale_inv", scale_shape, torch.float32)):
+            local = list(s)
+            local[dim] //= 2
+            tensors[n] = torch.empty(local, dtype=dtype)
+            shards[n], shapes[n] = (tensors[n], dcp_load.tp_offsets(s, dim, rank, 2)), s
+    return dcp_load.engine_shards(shards, shapes), tensors
+
+
+def _fp8_exact(tensors: dict[str, torch.Tensor], model: dict[str, Any], rank: int) -> bool:
+    from dcp_load.transferring._fp8 import quantize_blockwise
+
+    for name, shape in model.items():
+        q, scales = quantize_blockwise(_value(name, shape, 0))
+        dim = _split_dim(name)
+        if not (torch.equal(tensors[name].view(torch.uint8), q.view(torch.uint8).chunk(2, dim)[rank])
+                and torch.equal(tensors[f"{name}_scale_inv"], scales.chunk(2, dim)[rank])):
+            return False
+    return True
+
+
+def _changes(name: str, numel: int, step: int) -> torch.Tensor:
+    """The flat indices of the ``CHANGED`` share of ``name``'s elements that change at ``step``
+    (distinct, uniformly at random, the same on every rank)."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)) * 31 + 1000 + step)
+    return torch.randperm(numel, generator=g)[:max(1, round(numel * CHANGED))]
+
+
+def _change(src: Any, now: dict[str, torch.Tensor], side: str, rank: int, model: dict[str, Any], step: int) -> None:
+    """One optimizer step's worth of change: ``CHANGED`` of each tensor's values, in place on the
+    trainer's shards; the engine applies the same to its copy of the truth."""
+    for name, shape in model.items():
+        idx = _changes(name, math.prod(shape), step)
+        if side == "trainer":
+            local = src[name].to_local().view(-1)  # Shard(0) of 2: rank r holds flat [r n/2, (r+1) n/2)
+            lo = rank * local.numel()
+            mine = idx[(idx >= lo) & (idx < lo + local.numel())] - lo
+            local[mine] += 1
+        else:
+            now[name].view(-1)[idx] += 1
+
+
 def _sync_methods(side: str, rank: int, model: dict[str, Any], mesh: Any, groups: dict[str, Any],
-                  bucket_bytes: int) -> dict[str, Any]:
+                  bucket_bytes: int, steps: int) -> dict[str, Any]:
     src, dst, plain = _sync_layouts(model, side, rank, mesh)
-    methods = {
-        "gather + bucket broadcast": lambda: _bucketed(src, plain, side, rank, model, groups["baseline"],
-                                                       bucket_bytes),
-        "transfer (first)": lambda: _sync_transfer(src, dst, groups["sync"], True),
-        "transfer (reused)": lambda: _sync_transfer(src, dst, groups["sync"], False),
-    }
-    out = {}
-    for label, fn in methods.items():
-        for t in plain.values():
-            t.fill_(float("nan"))
+    now = {n: _value(n, s, 0) for n, s in model.items()} if side == "engine" else {}
+    exact = lambda: all(torch.equal(t, now[n].chunk(2, _split_dim(n))[rank]) for n, t in plain.items())  # noqa: E731
+    kept = sum(t.numel() * 2 for t in plain.values())
+    out: dict[str, Any] = {}
+
+    def timed(label: str, fn: Any, check: Any = exact, poison: bool = True, kept: int = kept) -> None:
+        if poison:
+            for t in plain.values():
+                t.fill_(float("nan"))
         _sync_barrier(groups["sync"])
         before, peak_ok = _status("VmRSS"), _reset_peak()
         t0 = time.perf_counter()
         got = fn()
         seconds = time.perf_counter() - t0
-        extra = _status("VmHWM") - before if peak_ok else -1
-        ok = all(torch.equal(t, _value(n, model[n], 0).chunk(2, _split_dim(n))[rank])
-                 for n, t in plain.items())
-        out[label] = {"seconds": seconds, "extra": extra, "ok": ok, "side": side,
-                      "kept": sum(t.numel() * 2 for t in plain.values()), **got}
+        peak = _status("VmHWM")
+        extra = peak - before if peak_ok else -1
+        out[label] = {"seconds": seconds, "extra": extra, "peak": peak, "ok": side == "trainer" or check(),
+                      "side": side, "kept": kept, **got}
+
+    timed("gather + bucket broadcast", lambda: _bucketed(src, plain, side, rank, model, groups["baseline"],
+                                                         bucket_bytes))
+    timed("transfer (first)", lambda: _sync_transfer(src, dst, groups["sync"], True))
+    timed("transfer (reused)", lambda: _sync_transfer(src, dst, groups["sync"], False))
+    if _fp8_ok(model):
+        fdst, ftensors = _fp8_layouts(model, rank) if side == "engine" else ({}, {})
+        for t in ftensors.values():
+            t.view(torch.uint8).fill_(0x7F)  # NaN in both float8_e4m3fn and (as 4 bytes) float32
+        fcheck = lambda: _fp8_exact(ftensors, model, rank)  # noqa: E731
+        fkept = sum(t.numel() * t.element_size() for t in ftensors.values())
+        timed("FP8 transfer (first)", lambda: _sync_transfer(src, fdst, groups["sync"], True), fcheck, kept=fkept)
+        for t in ftensors.values():
+            t.view(torch.uint8).fill_(0x7F)
+        timed("FP8 transfer (reused)", lambda: _sync_transfer(src, fdst, groups["sync"], False), fcheck,
+              kept=fkept)
+        del fdst, ftensors
+    timed("delta (first: all)", lambda: _sync_transfer(src, dst, groups["sync"], True, delta=True))
+    timed("full, keep plan", lambda: _sync_transfer(src, dst, groups["sync"], True))
+    for step in range(1, steps + 1):
+        last = step == steps  # the last step drops both plans (the next round makes new tensors)
+        _change(src, now, side, rank, model, step)
+        # delta first: its destinations hold the previous step's values, as a delta needs
+        timed(f"delta, {CHANGED:.0%} changed", partial(_sync_transfer, src, dst, groups["sync"], not last, delta=True),
+              poison=False)
+        timed(f"full, {CHANGED:.0%} changed", partial(_sync_transfer, src, dst, groups["sync"], not last))
     return out
 
 
-def _sync_transfer(src: Any, dst: Any, group: Any, keep: bool) -> dict[str, int]:
+def _sync_transfer(src: Any, dst: Any, group: Any, keep: bool, delta: bool = False) -> dict[str, int]:
     import dcp_load
 
-    report = dcp_load.transfer(src, dst, process_group=group, keep_plan=keep)
+    report = dcp_load.transfer(src, dst, process_group=group, keep_plan=keep, delta=delta)
     return {"received": report.bytes_received}
 
 
@@ -310,7 +398,7 @@ def _sync_barrier(group: Any) -> None:
 
 
 def _sync_job(rank: int, world: int, side: str, ports: tuple[int, int], specs: dict[str, Any], repeats: int,
-              bucket_bytes: int) -> dict[str, Any]:
+              bucket_bytes: int, steps: int) -> dict[str, Any]:
     """One rank of the trainer job or of the engine job (each its own default group)."""
     import dcp_load
     from torch.distributed.device_mesh import init_device_mesh
@@ -321,26 +409,48 @@ def _sync_job(rank: int, world: int, side: str, ports: tuple[int, int], specs: d
     # the baseline's group: trainer rank 0 and the engine ranks, as RL frameworks build it
     groups["baseline"] = None if side == "trainer" and rank else dcp_load.transfer_group(
         "127.0.0.1", ports[1], side=side, rank=rank, world_sizes=(1, 2), timeout=600, name="baseline")
-    out = {name: [_sync_methods(side, rank, _model(count, nbytes), mesh, groups, bucket_bytes)
+    out = {name: [_sync_methods(side, rank, _model(count, nbytes), mesh, groups, bucket_bytes, steps)
                   for _ in range(repeats)] for name, (count, nbytes) in specs.items()}
     _sync_barrier(groups["sync"])
     return out
 
 
-def _sync_table(trainer: list[Any], engine: list[Any], name: str) -> list[str]:
+def _sync_rows(trainer: list[Any], engine: list[Any], name: str) -> tuple[dict[str, Any], list[str]]:
+    """Per method: the slowest rank's seconds (median over the rounds), the largest recv/kept of
+    an engine rank, the largest peak extra and peak resident memory of any rank (last round)."""
     ranks = [r[name] for r in [*trainer, *engine]]
     lines = [f"== two jobs (2 trainer + 2 engine ranks, plain TP shards): {name} ==",
-             f"{'method':26} {'seconds':>8} {'x bucket':>8} {'recv/kept':>9} {'peak extra MiB':>14}  values"]
-    base = None
+             f"{'method':26} {'seconds':>8} {'x bucket':>8} {'recv MiB':>9} {'recv/kept':>9} "
+             f"{'peak extra MiB':>14} {'peak RSS MiB':>12}  values"]
+    rows: dict[str, Any] = {}
     for label in ranks[0][0]:
         secs = statistics.median(max(r[i][label]["seconds"] for r in ranks) for i in range(len(ranks[0])))
-        base = base or secs
         last = [r[-1][label] for r in ranks]
-        ratio = max(e["received"] / e["kept"] for e in last if e["side"] == "engine")
-        extra = max(x["extra"] for x in last) / 2**20
-        ok = all(x["ok"] for x in last)
-        lines.append(f"{label:26} {secs:8.3f} {secs / base:8.2f} {ratio:9.3f} {extra:14.1f}  "
-                     f"{'exact' if ok else 'WRONG'}")
+        recv = max(e["received"] for e in last if e["side"] == "engine")
+        row = rows[label] = {
+            "seconds": secs, "recv": recv, "ratio": max(e["received"] / e["kept"] for e in last if e["side"] == "engine"),
+            "extra": max(x["extra"] for x in last) / 2**20, "peak": max(x["peak"] for x in last) / 2**20,
+            "ok": all(x["ok"] for x in last)}
+        base = rows["gather + bucket broadcast"]["seconds"]
+        lines.append(f"{label:26} {secs:8.3f} {secs / base:8.2f} {recv / 2**20:9.2f} {row['ratio']:9.3f} "
+                     f"{row['extra']:14.1f} {row['peak']:12.1f}  {'exact' if row['ok'] else 'WRONG'}")
+    return rows, lines
+
+
+def _goals(rows: dict[str, Any]) -> list[str]:
+    """The goals, each MET or missed, from one run's rows."""
+    base = rows["gather + bucket broadcast"]["seconds"]
+    full, delta = rows["transfer (reused)"], rows[f"delta, {CHANGED:.0%} changed"]
+    goals = [("recv/kept, full transfer", full["ratio"], 1.02),
+             (f"recv/kept, delta with {CHANGED:.0%} changed", delta["ratio"], 0.1),
+             ("time, transfer (reused) / bucket", full["seconds"] / base, 0.5),
+             (f"time, delta {CHANGED:.0%} / bucket", delta["seconds"] / base, 0.5)]
+    if "FP8 transfer (reused)" in rows:
+        goals.append(("recv, FP8 / bf16 transfer", rows["FP8 transfer (reused)"]["recv"] / full["recv"], 0.52))
+    lines = [f"{'goal':38} {'measured':>9} {'goal':>6}"]
+    lines += [f"{g:38} {v:9.3f} {'<= ' + str(limit):>6}  {'MET' if v <= limit else 'missed'}" for g, v, limit in goals]
+    lines.append(f"{'peak extra MiB: bucket / transfer / delta':38} {rows['gather + bucket broadcast']['extra']:.1f}"
+                 f" / {full['extra']:.1f} / {delta['extra']:.1f}  (reported)")
     return lines
 
 
@@ -352,12 +462,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_jobs(specs: dict[str, Any], repeats: int, bucket_bytes: int) -> tuple[list[Any], list[Any]]:
+def _two_jobs(specs: dict[str, Any], repeats: int, bucket_bytes: int, steps: int) -> tuple[list[Any], list[Any]]:
     from concurrent.futures import ThreadPoolExecutor
 
     ports = (_free_port(), _free_port())
     with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(run_ranks, _sync_job, 2, side, ports, specs, repeats, bucket_bytes, timeout=1800)
+        jobs = [pool.submit(run_ranks, _sync_job, 2, side, ports, specs, repeats, bucket_bytes, steps,
+                              timeout=1800)
                 for side in ("trainer", "engine")]
         return jobs[0].result(), jobs[1].result()
 
@@ -370,13 +481,15 @@ def main() -> None:
     p.add_argument("--small", type=int, default=2000, help="4 KiB tensors of the small model")
     p.add_argument("--jobs", action="store_true", help="the two-jobs case alone (transfer_group)")
     p.add_argument("--bucket-mib", type=int, default=32, help="the two-jobs baseline's bucket")
+    p.add_argument("--steps", type=int, default=2, help="two-jobs: changed steps per round (the last is shown)")
     args = p.parse_args()
     specs = {f"{args.large} x {args.large_mib} MiB": (args.large, args.large_mib << 20),
              f"{args.small} x 4 KiB": (args.small, SMALL_BYTES)}
     if args.jobs:
-        trainer, engine = _two_jobs(specs, args.repeats, args.bucket_mib << 20)
+        trainer, engine = _two_jobs(specs, args.repeats, args.bucket_mib << 20, args.steps)
         for name in specs:
-            print("\n".join(_sync_table(trainer, engine, name)))
+            rows, lines = _sync_rows(trainer, engine, name)
+            print("\n".join([*lines, *_goals(rows)]))
             print()
         return
     root = tempfile.mkdtemp(prefix="dcp-bench-transfer-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
