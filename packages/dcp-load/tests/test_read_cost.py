@@ -7,7 +7,6 @@ on object storage."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import random
@@ -45,17 +44,17 @@ def test_page_cache_maps_short_runs_and_reads_long_ones_with_preadv():
                                   ((16, 512, 512), (0, 0, 256), (16, 512, 256)),
                                   ((256, 256, 3, 3), (0, 0, 0, 1), (256, 256, 3, 1)),
                                   ((4096, 1024), (0, 0), (4096, 8))]:
-        c = rc.choose(_geometry(chunk, offsets, sizes), rc.LOCAL_COST, limit)
+        c = rc.choose(_geometry(chunk, offsets, sizes), rc.MAPPED_COST, limit)
         assert not c.covering and c.calls == 1 and c.fetched == math.prod(sizes) * 2, (chunk, sizes, c)
-    long = rc.choose(_geometry((512, 65536), (0, 32768), (512, 16384)), rc.LOCAL_COST, limit)
+    long = rc.choose(_geometry((512, 65536), (0, 32768), (512, 16384)), rc.MAPPED_COST, limit)
     assert not long.covering and long.calls == 1 and long.level == 1  # 32 KiB runs: preadv, 512 a call
-    fewer = rc.choose(_geometry((4096, 1024), (0, 512), (2, 512)), rc.LOCAL_COST, limit)
+    fewer = rc.choose(_geometry((4096, 1024), (0, 512), (2, 512)), rc.MAPPED_COST, limit)
     assert fewer.covering  # two runs: a covering read's call is cheaper than a map
 
 
 def test_page_cache_unmapped_covers_short_runs_and_reads_long_ones_exactly():
     limit = 16 * MiB
-    rc_local = dataclasses.replace(rc.LOCAL_COST, map_s=None)  # a storage whose files are not mapped
+    rc_local = rc.LOCAL_COST  # the default: files are not mapped
     half = rc.choose(_geometry((4096, 1024), (0, 512), (4096, 512)), rc_local, limit)
     assert not half.covering and half.calls == 8  # 1 KiB rows: scattered natively, 512 a call
     narrow = rc.choose(_geometry((65536, 64), (0, 32), (65536, 32)), rc_local, limit)
@@ -91,6 +90,11 @@ def test_the_cost_of_a_reader_comes_from_its_storage():
     assert rc.read_cost_of(Reader()) is rc.OBJECT_COST
     Store.local = True
     assert rc.read_cost_of(Reader()) is rc.LOCAL_COST
+    os.environ["DCP_MAPPED_READS"] = "1"
+    try:
+        assert rc.read_cost_of(Reader()) is rc.MAPPED_COST
+    finally:
+        del os.environ["DCP_MAPPED_READS"]
     Store.read_cost = rc.ReadCost(1, 1, 1, 1, 1, 1, 1.0)
     assert rc.read_cost_of(Reader()) is Store.read_cost
 
@@ -242,6 +246,7 @@ def test_short_rows_of_a_hf_file_are_copied_out_of_a_map(tmp_path, monkeypatch, 
     box's bytes, fetched as read."""
     from dcp_reader.formats import _safetensors_file
 
+    monkeypatch.setenv("DCP_MAPPED_READS", "1")
     full = torch.randn(4096, 96).to(torch.bfloat16)
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     mapped = []

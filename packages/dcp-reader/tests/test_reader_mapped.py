@@ -1,7 +1,8 @@
 """Short runs of strided boxes copied out of a memory map (``storage/_mapped.py``): equal
 to safetensors' own slices for any box of any dtype (hypothesis), through the map when the
 runs are short and through ``preadv`` when they are long; a file shorter than its header
-says raises TruncatedFileError naming it (never SIGBUS)."""
+says raises TruncatedFileError naming it (never SIGBUS). The path is opt-in
+(``DCP_MAPPED_READS=1``, set for this module); without it nothing is mapped."""
 
 from __future__ import annotations
 
@@ -19,6 +20,26 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _mapped_reads_on():
+    old = os.environ.get("DCP_MAPPED_READS")
+    os.environ["DCP_MAPPED_READS"] = "1"
+    yield
+    if old is None:
+        del os.environ["DCP_MAPPED_READS"]
+    else:
+        os.environ["DCP_MAPPED_READS"] = old
+
+
+def test_nothing_is_mapped_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv("DCP_MAPPED_READS")
+    p = tmp_path / "f"
+    p.write_bytes(bytes(range(256)) * 64)
+    out = bytearray(8 * 16)
+    with open(p, "rb") as f:
+        assert not map_runs(f.fileno(), out, 0, 0, 8 * 64, (8, 16), (64, 1), path=str(p), key="k")
 
 
 @pytest.fixture

@@ -20,14 +20,16 @@ before (read once, byte-range ownership) and does not change.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 from dcp_reader.storage._mapped import MAPPED_RUN_MAX
 from dcp_reader.storage._scatter import MAX_GAP
 
-__all__ = ["LOCAL_COST", "OBJECT_COST", "BoxGeometry", "ReadChoice", "ReadCost", "choose", "cover_pieces",
+__all__ = ["LOCAL_COST", "MAPPED_COST", "OBJECT_COST", "BoxGeometry", "ReadChoice", "ReadCost", "choose", "cover_pieces",
            "read_cost_of"]
 
 
@@ -71,7 +73,15 @@ class ReadCost:
 #: range and touching a byte of each page 0.85 ms (~75 GB/s); a dim-1 half of a (50304,
 #: 768) bf16 embedding 12.5 ms through ``dcp_load.load`` against 16.7 ms scattered.
 LOCAL_COST = ReadCost(request_s=1.7e-6, run_s=1.7e-6, bytes_per_s=10e9, copy_call_s=7e-6, copy_run_s=1.2e-9,
-                      copy_bytes_per_s=9e9, max_overread=8.0, row_run_s=0.05e-6, map_s=19e-6, map_bytes_per_s=75e9)
+                      copy_bytes_per_s=9e9, max_overread=8.0, row_run_s=0.05e-6)
+
+#: ``LOCAL_COST`` with short runs copied out of a memory map, chosen with
+#: ``DCP_MAPPED_READS=1``. Not the default: a map's page faults fetch every page of the
+#: runs' range (and read around them), which the plan does not count, so on a cold cache
+#: each rank of a row-parallel pair fetched the pages the other rank's half shares
+#: (tests-integration/load/test_integ_read_once.py: 3.5 x the unique bytes, against 1.00 x).
+#: On a warm page cache it is the fastest path for short runs (benchmarks/results/tp.md).
+MAPPED_COST = dataclasses.replace(LOCAL_COST, map_s=19e-6, map_bytes_per_s=75e9)
 
 #: An object store: a GET's 20-50 ms of latency (dcp-reader README, "Object storage") and
 #: ~100 MB/s per stream; extra bytes are fetched over the network and billed, so covering
@@ -87,7 +97,9 @@ def read_cost_of(reader: object) -> ReadCost:
     declared = getattr(storage, "read_cost", None)
     if isinstance(declared, ReadCost):
         return declared
-    return LOCAL_COST if getattr(storage, "local", True) else OBJECT_COST
+    if not getattr(storage, "local", True):
+        return OBJECT_COST
+    return MAPPED_COST if os.environ.get("DCP_MAPPED_READS") == "1" else LOCAL_COST
 
 
 @dataclass(frozen=True)
