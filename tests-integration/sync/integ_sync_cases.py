@@ -374,3 +374,141 @@ def engine_dies_mid_transfer(rank: int, world: int, side: str, port: int, sizes:
         linger(group, side, rank, 3)
         return out
     return {"message": None}
+
+
+SPARSE_SHAPES = {"a": (128, 64), "b": (128, 64), "c": (128, 64)}  # bf16: trainer rows, engine columns split
+
+
+def _picks(name: str, step: int, share: float) -> torch.Tensor:
+    """``share`` of the flat elements of ``name``, distinct, at random (the same on every rank)."""
+    numel = SPARSE_SHAPES[name][0] * SPARSE_SHAPES[name][1]
+    g = torch.Generator().manual_seed(sum(map(ord, name)) * 13 + step)
+    return torch.randperm(numel, generator=g)[:round(numel * share)]
+
+
+def sparse_bytes(name: str, step: int, share: float, rank: int) -> int:
+    """What engine rank ``rank`` should receive of ``name`` as bitmask + values: per piece
+    (trainer rank h's rows x this rank's columns, 64 x 32) the 8-byte-padded bitmask and 2
+    bytes per changed element."""
+    rows, cols = SPARSE_SHAPES[name]
+    idx = _picks(name, step, share)
+    mine = idx[(idx % cols) // (cols // 2) == rank]
+    return sum(-(-(rows // 2) * (cols // 2) // 64) * 8 + 2 * int(((mine // cols) // (rows // 2) == h).sum())
+               for h in range(2))
+
+
+def delta_sparse(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """``delta=True`` at element level: 2 % of "a" and "b" changed travel as bitmask + values
+    and only those elements are written (an unchanged element set to 1000 on the engine stays
+    1000; "c", unchanged and poisoned, stays poisoned); 95 % of "b" changed goes whole (its
+    destination poisoned, filled); new destination tensors of the same layout get everything."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    now = {n: truth(n, 0, s).bfloat16() for n, s in SPARSE_SHAPES.items()}
+    src = ({n: distribute_tensor(v.clone(), mesh, [Shard(0)]) for n, v in now.items()} if side == "trainer"
+           else {})
+    out: dict[str, Any] = {}
+
+    def engine(fresh: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        if side != "engine":
+            return {}, {}
+        tensors = {n: torch.empty(s, dtype=torch.bfloat16).chunk(2, 1)[rank].contiguous()
+                   for n, s in SPARSE_SHAPES.items()}
+        for t in tensors.values():
+            poison(t)
+        return dcp_load.engine_shards({n: (t, (0, rank * t.shape[1])) for n, t in tensors.items()},
+                                      SPARSE_SHAPES), tensors
+
+    shards, dst = engine()
+
+    def change(step: int, shares: dict[str, float]) -> None:
+        for name, share in shares.items():
+            now[name].view(-1)[_picks(name, step, share)] += 1
+            if side == "trainer":
+                src[name].to_local().copy_(now[name].chunk(2)[rank])
+
+    def run(label: str, poisoned: tuple[str, ...] = ()) -> None:
+        for n in poisoned:
+            if n in dst:
+                poison(dst[n])
+        report = dcp_load.transfer(src, shards, process_group=group, delta=True, timeout=60)
+        out[label] = {"received": report.bytes_received, "kept": report.bytes_kept, "sent": report.bytes_sent,
+                      "reused": report.plan_reused,
+                      "poisoned": sorted(n for n, t in dst.items() if bool((t.view(torch.uint8) == 0x7F).all())),
+                      "exact": sorted(n for n, t in dst.items() if torch.equal(t, now[n].chunk(2, 1)[rank]))}
+
+    run("first", tuple(SPARSE_SHAPES))
+    change(1, {"a": 0.02, "b": 0.02})
+    # an element of "a" that did not change, set to 1000 here: only changed elements are written
+    unchanged = 0
+    if side == "engine":
+        changed_here = (dst["a"] != now["a"].chunk(2, 1)[rank]).view(-1)
+        unchanged = int((~changed_here).nonzero()[0])
+        dst["a"].view(-1)[unchanged] = 1000
+    run("sparse", ("c",))
+    if side == "engine":
+        out["sentinel"] = float(dst["a"].view(-1)[unchanged])
+        dst["a"].view(-1)[unchanged] = now["a"].chunk(2, 1)[rank].reshape(-1)[unchanged]
+        out["a_else_exact"] = torch.equal(dst["a"], now["a"].chunk(2, 1)[rank])
+        dst["c"].copy_(now["c"].chunk(2, 1)[rank])  # back to the values the engine was sent
+    change(2, {"a": 0.02, "b": 0.95})
+    run("dense", ("b",))
+    shards, dst = engine()  # new tensors, same layout: they do not hold the previous values
+    run("new_destinations")
+    group.close()
+    return out
+
+
+def fp8_delta(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """``delta=True`` into FP8 blockwise destinations: after one trainer element changed
+    (halved: its block's scale stays), the FP8 piece that holds it travels whole."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = join(side, rank, port, sizes)
+    full = truth("down", 0, FP8_SHAPES["down"]).bfloat16()
+    src = {"down": distribute_tensor(full.clone(), mesh, [Shard(0)])} if side == "trainer" else {}
+    tensors: dict[str, torch.Tensor] = {}
+    shards: dict[str, Any] = {}
+    if side == "engine":
+        for n, shape, dtype in (("down", (256, 512), torch.float8_e4m3fn), ("down_scale_inv", (2, 4), torch.float32)):
+            tensors[n] = torch.empty(shape[0], shape[1] // 2, dtype=dtype)
+            poison(tensors[n])
+            shards[n] = (tensors[n], dcp_load.tp_offsets(shape, 1, rank, world))
+        shards = dcp_load.engine_shards(shards, {"down": (256, 512), "down_scale_inv": (2, 4)})
+    out: dict[str, Any] = {}
+    for step in range(2):
+        if step:
+            full[0, 0] *= 0.5
+            if side == "trainer" and rank == 0:
+                src["down"].to_local()[0, 0] *= 0.5
+        report = dcp_load.transfer(src, shards, process_group=group, delta=True, timeout=60)
+        q, scales = reference_fp8(full)
+        out[f"step{step}"] = {
+            "received": report.bytes_received, "reused": report.plan_reused,
+            "exact": side != "engine" or (torch.equal(tensors["down"].view(torch.uint8), q.view(torch.uint8)
+                                                      .chunk(2, 1)[rank])
+                                          and torch.equal(tensors["down_scale_inv"], scales.chunk(2, 1)[rank]))}
+    group.close()
+    return out
+
+
+def delta_colocated(rank: int, world: int) -> dict[str, Any]:
+    """One job whose ranks are both trainer and engine: each holds half the rows (``Shard(0)``)
+    and wants the whole tensor, so it sends its half and copies it into its own destination.
+    After 2 % of the elements changed, the half that travels goes as bitmask + values and the
+    holder's own copy is made too (its destination poisoned before: the copy is whole)."""
+    mesh = init_device_mesh("cpu", (world,))
+    shape = (128, 64)
+    now = truth("colocated", 0, shape).bfloat16()
+    src = {"w": distribute_tensor(now.clone(), mesh, [Shard(0)])}
+    dst = {"w": torch.empty(shape, dtype=torch.bfloat16)}
+    out: dict[str, Any] = {}
+    for step in range(2):
+        if step:
+            g = torch.Generator().manual_seed(5)
+            now.view(-1)[torch.randperm(now.numel(), generator=g)[:now.numel() // 50]] += 1
+            src["w"].to_local().copy_(now.chunk(world)[rank])
+            dst["w"].chunk(world)[rank].view(torch.uint8).fill_(0x7F)  # the half this rank holds
+        report = dcp_load.transfer(src, dst, delta=True, timeout=60)
+        out[f"step{step}"] = {"received": report.bytes_received, "copied": report.bytes_copied,
+                              "exact": torch.equal(dst["w"], now)}
+    return out

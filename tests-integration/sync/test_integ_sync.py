@@ -117,8 +117,9 @@ def test_delta_sends_only_what_changed():
         # nothing changed: nothing travels, every destination keeps what it had (poisoned here)
         assert r["none_changed"]["received"] == 0 and r["none_changed"]["broadcasts"] == 0, r
         assert r["none_changed"]["poisoned"] == every, r
-        # wq[8, 0] changed (trainer rank 1's rows 8-15): the piece of engine rank 0's columns alone
-        assert r["one_element"]["received"] == (half["wq"] // 2 if rank == 0 else 0), r
+        # wq[8, 0] changed (trainer rank 1's rows 8-15): the piece of engine rank 0's columns alone,
+        # as its bitmask (32 elements: 8 bytes, padded) and the one fp32 value
+        assert r["one_element"]["received"] == (8 + 4 if rank == 0 else 0), r
         assert r["one_element"]["exact"] == every, r
     assert sum(r["none_changed"]["sent"] for r in trainer) == 0
 
@@ -128,3 +129,42 @@ def test_an_engine_rank_that_dies_while_data_moves_is_named_in_time():
     for r in [*trainer, engine[0]]:
         assert r["message"] and "execute" in r["message"] and "rank 3" in r["message"], r
         assert r["seconds"] < 30, r
+
+
+def test_delta_sends_changed_elements_as_bitmask_and_values():
+    trainer, engine = run_jobs(cases.delta_sparse)
+    for rank, r in enumerate(engine):
+        assert not r["first"]["reused"] and r["first"]["received"] == r["first"]["kept"], r
+        assert r["first"]["exact"] == ["a", "b", "c"], r
+        # 2 % of "a" and "b" changed: bitmask + values, at most 0.1 x what the engine keeps
+        sparse = r["sparse"]
+        want = sum(cases.sparse_bytes(n, 1, 0.02, rank) for n in ("a", "b"))
+        assert sparse["reused"] and sparse["received"] == want, (want, r)
+        assert sparse["received"] <= 0.1 * sparse["kept"], r
+        assert sparse["exact"] == ["b"] and sparse["poisoned"] == ["c"], r
+        # the unchanged element set to 1000 was not written; every other element of "a" is exact
+        assert r["sentinel"] == 1000 and r["a_else_exact"], r
+        # 95 % of "b" changed: bitmask + values would be larger than the pieces, so "b" goes whole
+        dense = r["dense"]
+        b_whole = 128 * 64 * 2 // 2
+        assert dense["received"] == b_whole + cases.sparse_bytes("a", 2, 0.02, rank), r
+        assert dense["exact"] == ["a", "b", "c"], r
+        # new destination tensors (poisoned), nothing changed: every piece travels whole
+        new = r["new_destinations"]
+        assert new["reused"] and new["received"] == new["kept"] and new["exact"] == ["a", "b", "c"], r
+    assert sum(r["sparse"]["sent"] for r in trainer) == sum(r["sparse"]["received"] for r in engine)
+
+
+def test_delta_into_fp8_destinations_sends_changed_pieces_whole():
+    trainer, engine = run_jobs(cases.fp8_delta)
+    for rank, r in enumerate(engine):
+        assert r["step0"]["exact"] and r["step1"]["exact"] and r["step1"]["reused"], r
+        # engine rank 0's FP8 piece of trainer rank 0's rows (128 x 256) whole; its scales did not change
+        assert r["step1"]["received"] == (128 * 256 if rank == 0 else 0), r
+
+
+def test_delta_bitmask_on_ranks_that_send_and_receive():
+    for r in run_ranks(cases.delta_colocated, 2, timeout=120):
+        half = 64 * 64 * 2
+        assert r["step0"]["exact"] and r["step0"]["received"] == half and r["step0"]["copied"] == half, r
+        assert r["step1"]["exact"] and 0 < r["step1"]["received"] <= 0.1 * half and r["step1"]["copied"] == half, r

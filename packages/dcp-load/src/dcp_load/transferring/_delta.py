@@ -2,22 +2,36 @@
 
 A kept plan with ``delta`` remembers, on each sender, a copy of every piece it last sent
 (in the source's dtype, on the source's device: as many bytes as the rank sends). On each
-call the sender compares its pieces with those copies (``torch.equal``: exact, NaN counts
-as changed), one all-reduce (MAX) of a flag per piece tells every rank which pieces move,
-and only those are broadcast, in the plan's order; destinations of the others keep what
-they hold. Local copies (a rank that holds and wants a piece) are always made. The first
-call of a plan sends everything.
+call the sender compares its pieces with those copies element by element (bit for bit: NaN
+counts as changed), and one all-reduce (MAX) of two lanes per piece tells every rank how
+many elements of each piece changed and whether a receiver needs the piece whole. A piece
+with no change does not move (its destinations keep what they hold); one whose bitmask
+and changed values (``_sparse``) are smaller than the piece travels as those, and each
+receiver writes the changed values into its destination; any other changed piece is
+broadcast whole, in the plan's order. Every rank derives the same choice and size from
+the all-reduced counts, so no rank waits on a broadcast of a size it did not expect.
+
+The whole piece travels when: the plan is new (the first call of a plan sends everything;
+a changed layout or a new receiver is a new plan), a receiver's destination tensors are not
+the ones the previous call filled (they do not hold the previous values), a receiver's
+destination cannot be written through a view (not a torch tensor, or a box that takes a
+broadcast only whole), or the piece travels as float8 (FP8 blockwise destinations: a
+changed scale changes the whole block, so these are kept simple and go dense). Local
+copies (a rank that holds and wants a piece) are always made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce
-from ._move import lazily, mine
+from ._layout import pointers
+from ._move import _numel, _src_view, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
+from ._sparse import SparseRound, changed, comparable, pack, sparse_nbytes
 
 __all__ = ["Delta"]
 
@@ -34,34 +48,95 @@ def _view(target: Target, piece: TransferPiece) -> Any:
     return target.view(piece.src_offsets, piece.src_sizes)
 
 
+def _fp8(wire: str) -> bool:
+    return wire.startswith("float8")
+
+
+def _scatters(target: Target, piece: TransferPiece) -> bool:
+    """Whether this receiver can write changed values into its destination box in place."""
+    return target.adapter.name == "torch" and target.in_place(piece.offsets, piece.sizes)
+
+
 class Delta:
     """What this rank last sent under one kept plan, and the pieces that moved this call."""
 
     def __init__(self, rank: int, stage_bytes: int):
         self.rank, self.stage_bytes = rank, stage_bytes
         self.sent: dict[int, Any] = {}  # piece index -> the values it last sent
+        self.where: Any = None  # the destination tensors the previous call filled (``pointers``)
+        self.payloads: dict[int, Any] = {}  # piece index -> this call's bitmask + values (holder)
         self.moving: list[int] = []
-        self.pieces = self.skipped = 0
+        self.pieces = self.skipped = self.sparse = 0
+        self.dtype: Any = None  # the platform's dtype of a dtype name
 
-    def _flags(self, plan: TransferPlan, src: Mapping[str, Target]) -> list[int]:
-        flags = [0] * len(plan.pieces)
+    def _count(self, i: int, p: TransferPiece, source: Target) -> int:
+        """Elements of held piece ``i`` that changed since this rank last sent it (all of
+        them for one never sent); packs bitmask + values when they are smaller than the piece."""
+        view, last, numel = _view(source, p), self.sent.get(i), _numel(p.sizes)
+        if last is None:
+            return numel
+        if _fp8(p.wire) or not comparable(view):  # these go whole (module docstring)
+            return 0 if _same(view, last) else numel
+        mask = changed(view, last)
+        count = int(mask.sum())
+        if count and sparse_nbytes(numel, count, p.wire) < p.nbytes:
+            self.payloads[i] = pack(mask, _src_view(source, p).reshape(-1)[mask].to(self.dtype(p.wire)))
+        return count
+
+    def _lanes(self, plan: TransferPlan, src: Mapping[str, Target], dst: Mapping[str, Target]) -> list[int]:
+        """This rank's lanes: per piece the elements changed (its holder; a receiver whose
+        destinations are new asks for all), then per piece whether a receiver needs it whole."""
+        n = len(plan.pieces)
+        lanes = [0] * (2 * n)
+        moved = self.where is not None and pointers(dst) != self.where
+        self.payloads = {}
         for i, p in enumerate(plan.pieces):
-            if p.holder == self.rank and len(p.ranks) > 1:
-                last = self.sent.get(i)
-                flags[i] = int(last is None or not _same(_view(src[p.src], p), last))
-        return flags
+            if len(p.ranks) == 1:
+                continue
+            if p.holder == self.rank:
+                lanes[i] = self._count(i, p, src[p.src])
+            elif self.rank in p.receivers:
+                lanes[i] = _numel(p.sizes) if moved else 0
+                lanes[n + i] = int(not _scatters(dst[p.dst], p))
+        return lanes
+
+    def _choose(self, plan: TransferPlan, lanes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """(dense pieces, (sparse piece, its bytes)) from the all-reduced lanes: alike on every rank."""
+        n = len(plan.pieces)
+        dense: list[int] = []
+        sparse: list[tuple[int, int]] = []
+        for i, p in enumerate(plan.pieces):
+            if len(p.ranks) == 1:
+                dense.append(i)
+            elif lanes[i]:
+                nbytes = sparse_nbytes(_numel(p.sizes), lanes[i], p.wire)
+                if lanes[n + i] or _fp8(p.wire) or nbytes >= p.nbytes:
+                    dense.append(i)
+                else:
+                    sparse.append((i, nbytes))
+        return dense, sparse
 
     def steps(self, platform: Any, plan: TransferPlan, src: Mapping[str, Target], dst: Mapping[str, Target],
               *, collective: bool, subgroups: bool, batch_bytes: int, watch: Any) -> Iterable[Any]:
-        """This call's rounds: the plan's local copies and its changed pieces (one all-reduce)."""
-        flags = self._flags(plan, src)
+        """This call's rounds: the plan's local copies and its changed pieces, whole, then the
+        sparse ones (one all-reduce)."""
+        self.dtype = platform.dtype_from_name
+        lanes = self._lanes(plan, src, dst)
         if collective:
-            flags = all_reduce(platform, flags, "max", watch)
-        self.moving = [i for i, p in enumerate(plan.pieces) if len(p.ranks) == 1 or flags[i]]
-        pieces = [plan.pieces[i] for i in self.moving]
-        self.pieces, self.skipped = len(pieces), len(plan.pieces) - len(pieces)
+            lanes = all_reduce(platform, lanes, "max", watch)
+        dense, sparse = self._choose(plan, lanes)
+        self.where = pointers(dst)
+        self.moving = dense + [i for i, _ in sparse]
+        self.pieces, self.skipped, self.sparse = len(self.moving), len(plan.pieces) - len(self.moving), len(sparse)
+        pieces = [plan.pieces[i] for i in dense]
         sub = TransferPlan(pieces=pieces, rounds=_rounds(pieces, batch_bytes, self.stage_bytes))
-        return lazily(platform, mine(sub, self.rank, subgroups), src, dst, batch_bytes=batch_bytes)
+        tail = SparseRound(platform, self.rank, batch_bytes)
+        for i, nbytes in sparse:
+            p = plan.pieces[i]
+            if not subgroups or self.rank in p.ranks:
+                tail.add(p, nbytes, self.payloads.get(i), src, dst)
+        self.payloads = {}
+        return chain(lazily(platform, mine(sub, self.rank, subgroups), src, dst, batch_bytes=batch_bytes), [tail])
 
     def sent_now(self, plan: TransferPlan, src: Mapping[str, Target]) -> None:
         """Remember what this rank sent in this call (after its broadcasts completed)."""
@@ -74,3 +149,4 @@ class Delta:
                 self.sent[i] = view.clone()
             else:
                 kept.copy_(view)
+

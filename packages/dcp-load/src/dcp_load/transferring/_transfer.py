@@ -160,8 +160,8 @@ def transfer(
     is written. ``process_group``: the torch.distributed group to transfer within (default:
     the default group; plans and groups are kept per group); ranks outside it do not call.
     Every call counts, so that the n-th transfer of every rank shares one name: a rank whose
-    arguments are refused here tells the others at once. ``delta``: send only the pieces whose
-    values changed since the last transfer of this plan (``_delta``; the first sends all).
+    arguments are refused here tells the others at once. ``delta``: send only what changed since
+    the last transfer of this plan (``_delta``: bitmask + values or whole pieces; the first all).
     Returns this rank's ``TransferReport``.
     """
     slot = next_slot("transfer", scope_of(process_group))

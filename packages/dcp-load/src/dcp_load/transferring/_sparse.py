@@ -1,0 +1,134 @@
+"""Changed elements of one piece, as a bitmask and the changed values (``delta=True``).
+
+A piece whose values changed in a few places travels as one ``uint8`` buffer: a bitmask of
+its elements in row-major order (bit ``i % 8`` of byte ``i // 8``: element ``i`` changed),
+padded to a multiple of 8 bytes so that the values after it are aligned, then the changed
+values, packed, in the dtype that travels (``TransferPiece.wire``). The receiver writes
+those values into its destination where the bits are set; the rest of the destination
+keeps what the previous transfer wrote. Every rank derives the buffer's size from the
+piece's element count and the all-reduced count of changed elements (``sparse_nbytes``),
+so all agree on what each broadcast carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..layouts._targets import Target
+from ..plan._owners import dtype_itemsize
+from ._move import MoveStats, _src_view
+from ._planner import TransferPiece
+
+__all__ = ["SparseRound", "changed", "comparable", "pack", "sparse_nbytes"]
+
+_BITS = (1, 2, 4, 8, 16, 32, 64, 128)
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _mask_bytes(numel: int) -> int:
+    return -(-numel // 64) * 8
+
+
+def sparse_nbytes(numel: int, count: int, wire: str) -> int:
+    """Bytes of a piece of ``numel`` elements with ``count`` changed, as bitmask + values."""
+    return _mask_bytes(numel) + count * dtype_itemsize(wire)
+
+
+def comparable(tensor: Any) -> bool:
+    """Whether ``changed`` can compare ``tensor``'s elements (an integer type of its width)."""
+    return tensor.element_size() in _INT_OF_SIZE
+
+
+def changed(now: Any, last: Any) -> Any:
+    """Element-wise (flat, row-major) whether ``now`` differs from ``last`` bit for bit (NaN
+    counts as changed when its bits change; float8 has no comparison kernels)."""
+    import torch
+
+    kind = getattr(torch, _INT_OF_SIZE[now.element_size()])
+    return now.reshape(-1).view(kind) != last.reshape(-1).view(kind)
+
+
+def pack(mask: Any, values: Any) -> Any:
+    """The ``uint8`` buffer of ``mask`` (flat bools) and ``values`` (the changed elements, in
+    the dtype that travels)."""
+    import torch
+
+    mbytes = _mask_bytes(mask.numel())
+    out = torch.empty(mbytes + values.numel() * values.element_size(), dtype=torch.uint8, device=mask.device)
+    bits = torch.zeros(mbytes * 8, dtype=torch.uint8, device=mask.device)
+    bits[:mask.numel()] = mask
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=mask.device)
+    out[:mbytes] = (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
+    out[mbytes:].view(values.dtype).copy_(values)
+    return out
+
+
+def _unpack(buf: Any, numel: int, wire: Any) -> tuple[Any, Any]:
+    """(flat bool mask, changed values) of a buffer made by ``pack``."""
+    import torch
+
+    mbytes = _mask_bytes(numel)
+    weights = torch.tensor(_BITS, dtype=torch.uint8, device=buf.device)
+    mask = (buf[:mbytes].unsqueeze(1) & weights).ne(0).reshape(-1)[:numel]
+    return mask, buf[mbytes:].view(wire)
+
+
+class SparseRound:
+    """The sparse pieces of one delta transfer on this rank: one ``broadcast_items`` call of
+    their buffers (the holder's packed ones, the receivers' empty ones), then each receiver
+    writes the changed values into its destination. Runs after the dense rounds (``move``)."""
+
+    def __init__(self, platform: Any, rank: int, batch_bytes: int):
+        self.platform, self.rank, self.batch_bytes = platform, rank, batch_bytes
+        self.items: list[Any] = []
+        self.scatter: list[tuple[Any, Any, Any, int]] = []  # (destination view, buffer, wire dtype, numel)
+        self.local: list[tuple[Target, Any, Any]] = []  # (target, into, from): the holder's own copies
+        self.pieces = self.copied = 0
+
+    def add(self, piece: TransferPiece, nbytes: int, payload: Any, src: Mapping[str, Target],
+            dst: Mapping[str, Target]) -> None:
+        import torch
+        from dcp_broadcast import BroadcastItem
+
+        if self.rank not in piece.ranks:
+            self.items.append(BroadcastItem(piece.holder, piece.ranks, nbytes))
+            return
+        self.pieces += 1
+        if self.rank == piece.holder:
+            if self.rank in piece.receivers:  # a holder that needs the piece copies it whole, locally
+                self.local.append((dst[piece.dst], dst[piece.dst].view(piece.offsets, piece.sizes),
+                                   _src_view(src[piece.src], piece)))
+                self.copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
+            self.items.append(BroadcastItem(piece.holder, piece.ranks, nbytes, payload))
+            return
+        buf = self.platform.empty((nbytes,), torch.uint8)  # on the platform's device, as broadcasts need
+        view = dst[piece.dst].view(piece.offsets, piece.sizes)
+        self.scatter.append((view, buf, self.platform.dtype_from_name(piece.wire), _numel(piece.sizes)))
+        self.items.append(BroadcastItem(piece.holder, piece.ranks, nbytes, buf))
+
+    def run(self, groups: Any, max_in_flight: int, watch: Any, stats: MoveStats) -> None:
+        from dcp_broadcast import broadcast_items
+
+        for target, into, source in self.local:
+            target.adapter.copy(into, source)
+        stats.pieces += self.pieces
+        stats.bytes_copied += self.copied
+        if not self.items:
+            return
+        got = broadcast_items(self.platform, self.items, batch_bytes=self.batch_bytes,
+                              max_in_flight=max_in_flight, groups=groups, watch=watch)
+        stats.broadcasts += got.broadcasts
+        stats.bytes_sent += got.bytes_sent
+        stats.bytes_received += got.bytes_received
+        self.platform.synchronize()
+        for view, buf, wire, numel in self.scatter:
+            mask, values = _unpack(buf, numel, wire)
+            view[mask.view(view.shape)] = values.to(view.dtype)  # a view of the destination: in place
+
+
+def _numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
