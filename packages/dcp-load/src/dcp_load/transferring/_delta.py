@@ -29,7 +29,7 @@ from typing import Any
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce
 from ._layout import pointers
-from ._move import _numel, _src_view, lazily, mine
+from ._move import _numel, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
 from ._sparse import SparseRound, changed, comparable, pack, sparse_nbytes
 
@@ -78,9 +78,9 @@ class Delta:
         if _fp8(p.wire) or not comparable(view):  # these go whole (module docstring)
             return 0 if _same(view, last) else numel
         mask = changed(view, last)
-        count = int(mask.sum())
+        count = int(mask.count_nonzero())
         if count and sparse_nbytes(numel, count, p.wire) < p.nbytes:
-            self.payloads[i] = pack(mask, _src_view(source, p).reshape(-1)[mask].to(self.dtype(p.wire)))
+            self.payloads[i] = pack(mask, view[mask].to(self.dtype(p.wire)))
         return count
 
     def _lanes(self, plan: TransferPlan, src: Mapping[str, Target], dst: Mapping[str, Target]) -> list[int]:
