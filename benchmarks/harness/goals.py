@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import bench_load_throttled as thr
+
 from harness import attrib
 from harness.layouts import LAYOUT_NAMES, METHOD_NAMES
 from harness.stats import MiB, by_repeat, fmt_bytes, median, ratio_by_repeat, table, unique_failures

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
 from harness.layouts import LAYOUT_NAMES, LAYOUTS, METHOD_NAMES  # noqa: E402
 from harness.stats import median  # noqa: E402
 

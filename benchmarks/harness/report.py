@@ -24,6 +24,7 @@ import bench_load_replicated as rep_mod  # noqa: E402
 import bench_load_single  # noqa: E402
 import bench_load_small  # noqa: E402
 import bench_load_throttled  # noqa: E402
+
 from harness import attrib, goals  # noqa: E402
 from harness.stats import fmt_bytes, median, table, unique_failures  # noqa: E402
 
