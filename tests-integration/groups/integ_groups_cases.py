@@ -10,7 +10,6 @@ Destinations are poisoned (0x7F bytes) before each load and compared with the tr
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from typing import Any
@@ -19,6 +18,7 @@ import dcp_load
 import torch
 import torch.distributed as dist
 from dcp_load import LoadError
+from group_guards import default_group_forbidden, poison
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -28,33 +28,6 @@ SHAPES = {"emb": (64, 16), "w1": (32, 24), "w2": (24, 32), "norm": (32,)}
 def truth(name: str, step: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + step)
     return torch.randn(*SHAPES[name], generator=g)
-
-
-def poison(t: torch.Tensor) -> None:
-    t.view(torch.uint8).fill_(0x7F)
-
-
-@contextlib.contextmanager
-def default_group_forbidden():
-    """Every collective that would run on the default group raises inside the block."""
-    names = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "barrier", "new_group")
-    saved = {n: getattr(dist, n) for n in names}
-
-    def guard(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
-            if name == "new_group" or group is None or group is dist.group.WORLD:
-                raise AssertionError(f"torch.distributed.{name} on the default group during a group operation")
-            return saved[name](*args, **kwargs)
-        return call
-
-    for n in names:
-        setattr(dist, n, guard(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
 
 
 def _sub_mesh(rank: int) -> Any:

@@ -10,7 +10,6 @@ Destinations are poisoned (0x7F bytes) before each transfer.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import dcp_load
 import torch
 import torch.distributed as dist
+from group_guards import default_group_forbidden, poison
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -27,33 +27,6 @@ SHAPES = {"wq": (16, 8), "wk": (8, 8), "wv": (8, 8), "wo": (8, 16), "norm": (8,)
 def truth(name: str, step: int = 0, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + step)
     return torch.randn(*(shape or SHAPES[name]), generator=g)
-
-
-def poison(t: torch.Tensor) -> None:
-    t.view(torch.uint8).fill_(0x7F)
-
-
-@contextlib.contextmanager
-def default_group_forbidden():
-    """Every collective that would run on the job's default group raises inside the block."""
-    names = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "barrier", "new_group")
-    saved = {n: getattr(dist, n) for n in names}
-
-    def guard(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
-            if name == "new_group" or group is None or group is dist.group.WORLD:
-                raise AssertionError(f"torch.distributed.{name} on the default group during a sync transfer")
-            return saved[name](*args, **kwargs)
-        return call
-
-    for n in names:
-        setattr(dist, n, guard(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
 
 
 def join(side: str, rank: int, port: int, sizes: tuple[int, int], timeout: float = 60.0) -> Any:

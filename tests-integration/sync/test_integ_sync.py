@@ -14,6 +14,7 @@ from typing import Any
 
 from dcp_platform.testing import run_ranks
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_sync_cases as cases  # noqa: E402
 
