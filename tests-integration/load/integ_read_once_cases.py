@@ -86,6 +86,23 @@ def _expected(name: str, value: Any) -> torch.Tensor:
     return t[tuple(slice(o, o + s) for o, s in zip(off, shape, strict=True))], value.to_local()
 
 
+def _count_mapped_boxes() -> list[bool]:
+    """Records, for each strided box of a safetensors file this process reads, whether it was
+    copied out of a memory map (dcp-reader storage/_mapped.py): a map's page faults are
+    fetches no byte count sees, so the tests check the cases that go through one."""
+    from dcp_reader.formats import _safetensors_file
+
+    calls: list[bool] = []
+    real = _safetensors_file.map_runs
+
+    def counted(*args: Any, **kw: Any) -> bool:
+        calls.append(real(*args, **kw))
+        return calls[-1]
+
+    _safetensors_file.map_runs = counted
+    return calls
+
+
 def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict[str, Any]:
     import dcp_load
     import torch.distributed as dist
@@ -93,6 +110,7 @@ def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict
 
     node = rank // 2
     os.environ[HOST_ID_ENV] = f"node{node}"
+    mapped = _count_mapped_boxes()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out: dict[str, Any] = {}
     # Warm-up: every case once, in the measured mode, before any measurement. A first load
@@ -106,13 +124,14 @@ def read_once_cases(rank: int, world: int, copies: list[str], mode: Any) -> dict
         if rank % 2 == 0:
             drop_cache(copies[node])
         dist.barrier()
-        before = read_bytes()
+        before, boxes = read_bytes(), len(mapped)
         report = dcp_load.load(state, checkpoint_id=copies[node], broadcast_replicated_tensors=mode)
         fetched = read_bytes() - before
         wrong = [n for n, v in state.items() if not torch.equal(*_expected(n, v))]
         out[case] = {"fetched": fetched, "unique": report.job_unique_bytes, "wrong": wrong,
                      "received": report.bytes_received,
-                     "reader_bytes": report.bytes_read, "pieces": report.pieces_read}
+                     "reader_bytes": report.bytes_read, "pieces": report.pieces_read,
+                     "mapped": sum(mapped[boxes:])}
     return out
 
 

@@ -54,7 +54,7 @@ def test_page_cache_maps_short_runs_and_reads_long_ones_with_preadv():
 
 def test_page_cache_unmapped_covers_short_runs_and_reads_long_ones_exactly():
     limit = 16 * MiB
-    rc_local = rc.LOCAL_COST  # the default: files are not mapped
+    rc_local = rc.LOCAL_COST  # DCP_MAPPED_READS=0: files are not mapped
     half = rc.choose(_geometry((4096, 1024), (0, 512), (4096, 512)), rc_local, limit)
     assert not half.covering and half.calls == 8  # 1 KiB rows: scattered natively, 512 a call
     narrow = rc.choose(_geometry((65536, 64), (0, 32), (65536, 32)), rc_local, limit)
@@ -89,12 +89,15 @@ def test_the_cost_of_a_reader_comes_from_its_storage():
 
     assert rc.read_cost_of(Reader()) is rc.OBJECT_COST
     Store.local = True
-    assert rc.read_cost_of(Reader()) is rc.LOCAL_COST
-    os.environ["DCP_MAPPED_READS"] = "1"
+    old = os.environ.pop("DCP_MAPPED_READS", None)
     try:
-        assert rc.read_cost_of(Reader()) is rc.MAPPED_COST
+        assert rc.read_cost_of(Reader()) is rc.MAPPED_COST  # the default: short runs mapped
+        os.environ["DCP_MAPPED_READS"] = "0"
+        assert rc.read_cost_of(Reader()) is rc.LOCAL_COST  # dcp-reader maps nothing then
     finally:
-        del os.environ["DCP_MAPPED_READS"]
+        os.environ.pop("DCP_MAPPED_READS", None)
+        if old is not None:
+            os.environ["DCP_MAPPED_READS"] = old
     Store.read_cost = rc.ReadCost(1, 1, 1, 1, 1, 1, 1.0)
     assert rc.read_cost_of(Reader()) is Store.read_cost
 
@@ -246,7 +249,7 @@ def test_short_rows_of_a_hf_file_are_copied_out_of_a_map(tmp_path, monkeypatch, 
     box's bytes, fetched as read."""
     from dcp_reader.formats import _safetensors_file
 
-    monkeypatch.setenv("DCP_MAPPED_READS", "1")
+    monkeypatch.delenv("DCP_MAPPED_READS", raising=False)  # the default
     full = torch.randn(4096, 96).to(torch.bfloat16)
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     mapped = []

@@ -23,10 +23,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 from dataclasses import dataclass
 
-from dcp_reader.storage._mapped import MAPPED_RUN_MAX
+from dcp_reader.storage._mapped import MAPPED_RUN_MAX, mapped_reads
 from dcp_reader.storage._scatter import MAX_GAP
 
 __all__ = ["LOCAL_COST", "MAPPED_COST", "OBJECT_COST", "BoxGeometry", "ReadChoice", "ReadCost", "choose", "cover_pieces",
@@ -75,12 +74,12 @@ class ReadCost:
 LOCAL_COST = ReadCost(request_s=1.7e-6, run_s=1.7e-6, bytes_per_s=10e9, copy_call_s=7e-6, copy_run_s=1.2e-9,
                       copy_bytes_per_s=9e9, max_overread=8.0, row_run_s=0.05e-6)
 
-#: ``LOCAL_COST`` with short runs copied out of a memory map, chosen with
-#: ``DCP_MAPPED_READS=1``. Not the default: a map's page faults fetch every page of the
-#: runs' range (and read around them), which the plan does not count, so on a cold cache
-#: each rank of a row-parallel pair fetched the pages the other rank's half shares
-#: (tests-integration/load/test_integ_read_once.py: 3.5 x the unique bytes, against 1.00 x).
-#: On a warm page cache it is the fastest path for short runs (benchmarks/results/tp.md).
+#: ``LOCAL_COST`` with short runs copied out of a memory map: the default for local files
+#: (``LOCAL_COST`` with ``DCP_MAPPED_READS=0``). The map fetches the pages the runs lie on,
+#: as their ``preadv`` would (it is ``MADV_RANDOM``: no read-ahead around its faults), so
+#: ``fetched`` is the box's bytes either way (tests-integration/load/test_integ_read_once.py
+#: holds a cold load to 1.02 x the unique bytes). On a warm page cache it is the fastest path
+#: for short runs (benchmarks/results/tp.md).
 MAPPED_COST = dataclasses.replace(LOCAL_COST, map_s=19e-6, map_bytes_per_s=75e9)
 
 #: An object store: a GET's 20-50 ms of latency (dcp-reader README, "Object storage") and
@@ -92,14 +91,15 @@ OBJECT_COST = ReadCost(request_s=0.03, run_s=0.0, bytes_per_s=100e6, copy_call_s
 
 def read_cost_of(reader: object) -> ReadCost:
     """The ``ReadCost`` of ``reader``'s storage: its own ``read_cost`` when it declares one,
-    else ``LOCAL_COST`` for a local one and ``OBJECT_COST`` for any other."""
+    else ``MAPPED_COST`` for a local one (``LOCAL_COST`` with ``DCP_MAPPED_READS=0``, when
+    dcp-reader maps nothing) and ``OBJECT_COST`` for any other."""
     storage = getattr(reader, "storage", None)
     declared = getattr(storage, "read_cost", None)
     if isinstance(declared, ReadCost):
         return declared
     if not getattr(storage, "local", True):
         return OBJECT_COST
-    return MAPPED_COST if os.environ.get("DCP_MAPPED_READS") == "1" else LOCAL_COST
+    return MAPPED_COST if mapped_reads() else LOCAL_COST
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,22 @@ of 7: 200,000 runs of 64 B one 128 B stride apart took 2.5 ms mapped against 25 
 scattered; 43,690 runs of 768 B (a dim-1 half) 4.6 ms against 18.6 ms; 8,192 runs of
 4 KiB took the same both ways; a call of 2 to 32 short runs ~19 us against ~27 us.
 
-A memory map of a file shorter than the range kills the process with SIGBUS when a page
-past the end is touched, so the file's size is checked just before the range is mapped,
-and a file already too short raises TruncatedFileError naming it. A file truncated by
-another process during the copy itself is not caught: checkpoints are not rewritten in
-place while they are loaded.
+Only the pages the runs lie on are fetched, as ``preadv`` of the runs would: a page fault
+on a map reads the kernel's read-ahead window around it (8 MiB on the development
+machine's disk: a cold 4 MiB range fetched 16 MiB, and read-once plans, which count bytes,
+fetched 3.5 x the unique bytes), so the map is ``MADV_RANDOM`` (a fault reads its page
+only) and, where the runs leave no page between them untouched, the range's missing pages
+are asked for up front with ``POSIX_FADV_WILLNEED`` of exactly the range
+(``_page_cache``), so a cold range is still read in large requests. Fault-around maps
+only pages already cached: it fetches nothing.
 
-Off unless ``DCP_MAPPED_READS=1``: a map's page faults fetch every page of the range (and
-the kernel reads around them), which a plan that counts bytes does not see: on a cold
-cache, ranks of a row-parallel pair each fetched the pages their halves share, 3.5 x the
-unique bytes where the scattered reads of those halves' owners fetch them once.
+A memory map of a file shorter than the range kills the process with SIGBUS when a page
+past the end is touched. The file's size is checked just before each slab of the range
+(``SLAB``) is copied, so a file found too short raises TruncatedFileError naming it and
+the key, and maps live for one box's copy only. What remains: a file truncated by another
+process during the copy of one slab still ends the process with SIGBUS (checkpoints are not
+rewritten in place while they are loaded); ``DCP_MAPPED_READS=0`` reads with ``preadv``
+only, for storage where they may be.
 """
 
 from __future__ import annotations
@@ -27,11 +33,27 @@ import os
 from typing import Any
 
 from .._errors import TruncatedFileError
+from ._page_cache import resident, willneed
+
+__all__ = ["MAPPED_RUN_MAX", "SLAB", "map_runs", "mapped_reads"]
 
 #: Runs longer than this are read with ``preadv``: from 4 KiB on a call's cost is small
 #: beside the run's bytes (8,192 runs of 4 KiB: 21.9 ms scattered, 21.9 ms mapped), and one
 #: large read lets cold storage fetch in large requests, where page faults would not.
 MAPPED_RUN_MAX = 16 * 1024
+
+#: Bytes of the range copied between two checks of the file's size and of whether its next
+#: pages are cached: a check costs ~3 us (fstat, two ``mincore`` calls), ~30 us for a 74 MiB
+#: range, under 0.5 % of its 9 ms copy; while one slab is copied the next one's missing
+#: pages are being fetched.
+SLAB = 8 * 1024 * 1024
+
+_PAGE = mmap.PAGESIZE
+
+
+def mapped_reads() -> bool:
+    """Whether short runs are copied out of memory maps: yes unless ``DCP_MAPPED_READS=0``."""
+    return os.environ.get("DCP_MAPPED_READS", "1").strip() != "0"
 
 
 def map_runs(fd: int | Any, out: Any, base: int, lo: int, hi: int, sizes: tuple[int, ...],
@@ -39,40 +61,103 @@ def map_runs(fd: int | Any, out: Any, base: int, lo: int, hi: int, sizes: tuple[
     """Fill ``out`` (a writable contiguous buffer of ``prod(sizes)`` bytes) with the box
     whose uint8 view starts at file offset ``base + lo`` with ``sizes`` and byte
     ``strides`` (its last dim a run: stride 1), ending before ``base + hi``. False, with
-    nothing read, when the box is not read this way: not a descriptor (an object), runs
-    longer than ``MAPPED_RUN_MAX``, or a file that cannot be mapped (a pipe, no mmap).
-    TruncatedFileError naming ``path`` and ``key`` when the file ends before ``base + hi``.
-    Only with ``DCP_MAPPED_READS=1`` (module docstring)."""
-    if os.environ.get("DCP_MAPPED_READS") != "1":
+    nothing read, when the box is not read this way: ``DCP_MAPPED_READS=0``, not a
+    descriptor (an object), a single run, runs longer than ``MAPPED_RUN_MAX``, or a file
+    that cannot be mapped (a pipe, no mmap). TruncatedFileError naming ``path`` and ``key``
+    when the file ends before ``base + hi``."""
+    if not mapped_reads():
         return False
-    if not isinstance(fd, int) or not sizes or sizes[-1] > MAPPED_RUN_MAX or strides[-1] != 1 or hi <= lo:
+    if not isinstance(fd, int) or len(sizes) < 2 or sizes[-1] > MAPPED_RUN_MAX or strides[-1] != 1 or hi <= lo:
         return False
     try:
-        import numpy as np
+        import numpy as np  # noqa: F401 (numpy is optional for dcp-reader)
 
-        size = os.fstat(fd).st_size
+        _check_size(fd, base + hi, base + lo, path=path, key=key)
     except (ImportError, OSError):
         return False
-    if size < base + hi:
-        raise TruncatedFileError(
-            f"the file has {size} bytes but bytes [{base + lo}, {base + hi}) of {key!r} are wanted; it is "
-            "truncated (or was truncated during the load): re-copy or re-save it", path=path, key=key)
     start = (base + lo) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
     try:
         m = mmap.mmap(fd, base + hi - start, prot=mmap.PROT_READ, offset=start)
     except (OSError, ValueError, AttributeError):
         return False
-    dst = np.frombuffer(out, dtype=np.uint8)
-    width = _width(sizes[-1], strides[:-1], base + lo - start, dst.ctypes.data)
-    shape = (*sizes[:-1], sizes[-1] // width)
-    src = None
     try:
-        src = np.ndarray(shape, dtype=f"u{width}", buffer=m, offset=base + lo - start,
-                         strides=(*strides[:-1], width))
-        np.copyto(dst.view(f"u{width}").reshape(shape), src)
+        _copy(m, fd, out, start, base + lo - start, sizes, strides, path=path, key=key)
     finally:
-        del src  # the map cannot close while a view of it lives
         m.close()
+    return True
+
+
+def _check_size(fd: int, end: int, first: int, *, path: str, key: str | None) -> None:
+    size = os.fstat(fd).st_size
+    if size < end:
+        raise TruncatedFileError(
+            f"the file has {size} bytes but bytes [{first}, {end}) of {key!r} are wanted; it is "
+            "truncated (or was truncated during the load): re-copy or re-save it", path=path, key=key)
+
+
+def _copy(m: mmap.mmap, fd: int, out: Any, start: int, offset: int, sizes: tuple[int, ...],
+          strides: tuple[int, ...], *, path: str, key: str | None) -> None:
+    """Copy the box at ``offset`` of map ``m`` (file offset ``start``) into ``out``, slab by
+    slab: each one's size checked, the next one's missing pages asked for first."""
+    import numpy as np
+
+    try:
+        m.madvise(mmap.MADV_RANDOM)
+    except (AttributeError, OSError):
+        pass  # no madvise (not Linux): faults read around there, as they always did
+    whole = np.frombuffer(m, dtype=np.uint8)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    width = _width(sizes[-1], strides[:-1], offset, dst.ctypes.data)
+    shape = (*sizes[:-1], sizes[-1] // width)
+    src = np.ndarray(shape, dtype=f"u{width}", buffer=m, offset=offset, strides=(*strides[:-1], width))
+    dst = dst.view(f"u{width}").reshape(shape)
+    try:
+        slabs = _slabs(sizes, strides, offset)
+        # sparse runs: the faults fetch their own pages, where a request for the range would
+        # fetch the pages between them too
+        ahead = _Ahead(fd, start, whole.ctypes.data, slabs if _dense(sizes, strides) else [])
+        ahead.fetch(0)
+        for n, (i, j, _, b) in enumerate(slabs):
+            ahead.fetch(n + 1)  # fetched while this slab is copied
+            _check_size(fd, start + b, start + offset, path=path, key=key)
+            np.copyto(dst[i:j], src[i:j])
+    finally:
+        del src, whole  # the map cannot close while a view of it lives
+
+
+class _Ahead:
+    """Asks for a slab's pages when ``mincore`` finds its first or last page missing."""
+
+    def __init__(self, fd: int, start: int, address: int, slabs: list[tuple[int, int, int, int]]):
+        self.fd, self.start, self.address, self.slabs = fd, start, address, slabs
+
+    def fetch(self, n: int) -> None:
+        if n < len(self.slabs):
+            a, b = self.slabs[n][2:]
+            if not resident(self.address, (a, b - 1)):
+                willneed(self.fd, self.start + a, self.start + b)
+
+
+def _slabs(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> list[tuple[int, int, int, int]]:
+    """The box cut along its first dim into pieces of about ``SLAB`` bytes of range: (first
+    index, end index, first byte, end byte), bytes relative to the map."""
+    rest = sum((s - 1) * st for s, st in zip(sizes[1:], strides[1:], strict=True)) + 1
+    step = max(1, SLAB // max(strides[0], 1))
+    out = []
+    for i in range(0, sizes[0], step):
+        j = min(i + step, sizes[0])
+        out.append((i, j, offset + i * strides[0], offset + (j - 1) * strides[0] + rest))
+    return out
+
+
+def _dense(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether the runs touch every page of their range: no gap between two consecutive
+    runs holds a whole page (each gap shorter than a page)."""
+    extent = 1
+    for size, stride in zip(reversed(sizes), reversed(strides), strict=True):
+        if size > 1 and stride - extent >= _PAGE:
+            return False
+        extent += (size - 1) * stride
     return True
 
 
