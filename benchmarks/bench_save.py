@@ -1,10 +1,11 @@
 """Saving side by side: ``dcp_load.save`` / ``async_save`` against torch DCP's ``save`` /
-``async_save`` (thread, and process) on 4 gloo ranks, in one run.
+``async_save`` (thread, and process) on 4 gloo ranks (``--world 2``: 2), in one run.
 
 State: ``--size`` MiB of fp32 in all, a third parameters and two thirds AdamW moments
 (``exp_avg``, ``exp_avg_sq``; a 0-dim ``step`` each), as DTensors in two layouts:
 DP2 x TP2 ([Replicate, Shard(0)] over ("dp", "tp"): every box held by 2 ranks) and FSDP4
-([Shard(0)] over 4 ranks). Each repeat runs every saver once, in an order that rotates from
+([Shard(0)] over 4 ranks); with ``--world 2``, DP2 x TP1 (every box on both ranks, each
+written by one) and FSDP2. Each repeat runs every saver once, in an order that rotates from
 one repeat to the next (alternating), after one warm-up round that is not counted, each
 into its own new directory; a time is the
 slowest rank's (each rank times its own call between two barriers); the table gives the
@@ -14,7 +15,7 @@ bytes the rank writes into a warm buffer (the floor of taking a snapshot), the m
 RSS over its first counted call), and dcp's six async saves in a row (RSS growth from
 the first, threads left).
 
-    python benchmarks/bench_save.py --size 256 --repeats 3
+    python benchmarks/bench_save.py --size 256 --repeats 3 [--world 2]
 """
 
 from __future__ import annotations
@@ -42,18 +43,26 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def layouts(world: int) -> tuple[str, str]:
+    """The two layouts of ``world`` ranks: DP2 x TP(world / 2) and FSDP(world)."""
+    return f"dp2tp{world // 2}", f"fsdp{world}"
+
+
 def _state(layout: str, size_mib: int) -> dict[str, Any]:
-    """This rank's part of the model and AdamW state (module docstring)."""
+    """This rank's part of the model and AdamW state (module docstring); ``layout`` is one
+    of ``layouts(world)``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if layout == "dp2tp2":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        placements, parts, me = [Replicate(), Shard(0)], 2, mesh["tp"].get_local_rank()
+    if layout.startswith("dp2tp"):
+        tp = int(layout[len("dp2tp"):])
+        mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp"))
+        placements, parts, me = [Replicate(), Shard(0)], tp, mesh["tp"].get_local_rank()
     else:
-        mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
-        placements, parts, me = [Shard(0)], WORLD, mesh.get_local_rank()
+        world = int(layout[len("fsdp"):])
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        placements, parts, me = [Shard(0)], world, mesh.get_local_rank()
     n_params = 8
     rows = max(4, (size_mib * MiB // 3) // (n_params * COLS * 4) // 4 * 4)
     g = torch.Generator().manual_seed(1234)
@@ -148,7 +157,7 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
     warnings.filterwarnings("ignore")
     savers = {k: v for k, v in _savers().items() if k not in skip}
     out: dict[str, Any] = {}
-    for layout in ("dp2tp2", "fsdp4"):
+    for layout in layouts(world):
         sd = _state(layout, size_mib)
         import dcp_load
 
@@ -171,14 +180,14 @@ def _in_rank(rank: int, world: int, root: str, size_mib: int, repeats: int, skip
                     res["info"].setdefault(k, info)
         del savers["memcpy"]  # the next layout's bytes differ
         out[layout] = res
-    out["six"] = _six_in_a_row(root, size_mib)
+    out["six"] = _six_in_a_row(root, size_mib, layouts(world)[0])
     return out
 
 
-def _six_in_a_row(root: str, size_mib: int) -> dict[str, Any]:
+def _six_in_a_row(root: str, size_mib: int, layout: str) -> dict[str, Any]:
     import dcp_load
 
-    sd = _state("dp2tp2", size_mib)
+    sd = _state(layout, size_mib)
     rss = []
     for _ in range(6):
         dcp_load.async_save(sd, checkpoint_id=os.path.join(root, "six")).result()
@@ -188,9 +197,9 @@ def _six_in_a_row(root: str, size_mib: int) -> dict[str, Any]:
 
 
 def _table(per_rank: list[dict[str, Any]], size_mib: int) -> list[str]:
-    lines = [f"bench_save: 4 gloo ranks, {size_mib} MiB of fp32 state (model + AdamW), "
+    lines = [f"bench_save: {len(per_rank)} gloo ranks, {size_mib} MiB of fp32 state (model + AdamW), "
              "median of repeats, slowest rank"]
-    for layout in ("dp2tp2", "fsdp4"):
+    for layout in layouts(len(per_rank)):
         r0 = per_rank[0][layout]
         kinds = list(r0["times"])
         med = {}
@@ -232,15 +241,15 @@ def _ratios(med: dict[str, tuple[float, float]], memcpy: float) -> list[str]:
     return out
 
 
-def _child(rank: int, init: str, fn: Any, args: tuple[Any, ...], results: Any) -> None:
+def _child(rank: int, world: int, init: str, fn: Any, args: tuple[Any, ...], results: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # 4 ranks share the cores
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD,
+    torch.set_num_threads(1)  # the ranks share the cores
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=900))
     try:
-        results.put((rank, fn(rank, WORLD, *args)))
+        results.put((rank, fn(rank, world, *args)))
     except BaseException as exc:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
@@ -248,15 +257,15 @@ def _child(rank: int, init: str, fn: Any, args: tuple[Any, ...], results: Any) -
         dist.destroy_process_group()
 
 
-def _launch(fn: Any, root: str, *args: Any) -> list[Any]:
-    """``fn(rank, WORLD, root, *args)`` on WORLD gloo ranks, by rank. The ranks are not
+def _launch(fn: Any, root: str, *args: Any, world: int = WORLD) -> list[Any]:
+    """``fn(rank, world, root, *args)`` on ``world`` gloo ranks, by rank. The ranks are not
     daemons (dcp_platform.testing's are), since torch's process-based async_save starts a
     process of its own; a forkserver with torch imported starts each in milliseconds."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     init = os.path.join(root, "store")
-    procs = [ctx.Process(target=_child, args=(r, init, fn, (root, *args), results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_child, args=(r, world, init, fn, (root, *args), results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -269,7 +278,7 @@ def _launch(fn: Any, root: str, *args: Any) -> list[Any]:
     failed = {r: v for r, v in got.items() if isinstance(v, str)}
     if failed:
         raise RuntimeError(f"ranks failed: {failed}")
-    return [got[r] for r in range(WORLD)]
+    return [got[r] for r in range(world)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip", action="append", default=[], help="a saver to leave out (e.g. 'torch async process')")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--world", type=int, default=WORLD, choices=(2, 4), help="gloo ranks (default 4)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-save-", dir=args.dir) as root:
-        per_rank = _launch(_in_rank, root, args.size, args.repeats, args.skip)
+        per_rank = _launch(_in_rank, root, args.size, args.repeats, args.skip, world=args.world)
     print("\n".join(_table(per_rank, args.size)))
     return 0
 
