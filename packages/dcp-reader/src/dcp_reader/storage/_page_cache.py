@@ -21,8 +21,9 @@ __all__ = ["WILLNEED_STEP", "resident", "willneed"]
 #: window (or the device's largest request) per call and drops the rest of a longer one, and
 #: 128 KiB is Linux's default window, so no page of the range is left to single-page faults
 #: on any device. Measured on the 2-core development machine (virtio disk, read_ahead_kb
-#: 8192), a cold 74 MiB range: 79-127 ms in 128 KiB calls, 50-68 ms in 8 MiB ones, against
-#: 405 ms by scattered ``preadv`` and 2.1 s by faults alone.
+#: 8192), a cold 74 MiB range of 768 B runs: 79-127 ms in 128 KiB calls, 50-68 ms in 8 MiB
+#: ones, 2.1 s by faults alone; ``map_runs`` with them 90-113 ms where scattered ``preadv``
+#: took 90-153 ms (and fetched 88 MiB: its read-ahead runs past the range).
 WILLNEED_STEP = 128 * 1024
 
 _PAGE = mmap.PAGESIZE
