@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from .._errors import TruncatedFileError
-from ._page_cache import resident, willneed
+from ._page_cache import WILLNEED_STEP, resident, willneed
 
 __all__ = ["MAPPED_RUN_MAX", "SLAB", "map_runs", "mapped_reads"]
 
@@ -105,9 +105,8 @@ def _copy(m: mmap.mmap, fd: int, out: Any, start: int, offset: int, sizes: tuple
         m.madvise(mmap.MADV_RANDOM)
     except (AttributeError, OSError):
         pass  # no madvise (not Linux): faults read around there, as they always did
-    whole = np.frombuffer(m, dtype=np.uint8)
     dst = np.frombuffer(out, dtype=np.uint8)
-    width = _width(sizes[-1], strides[:-1], offset, dst.ctypes.data)
+    width = _width(sizes[-1], strides[:-1], offset, dst.__array_interface__["data"][0])
     shape = (*sizes[:-1], sizes[-1] // width)
     src = np.ndarray(shape, dtype=f"u{width}", buffer=m, offset=offset, strides=(*strides[:-1], width))
     dst = dst.view(f"u{width}").reshape(shape)
@@ -115,18 +114,21 @@ def _copy(m: mmap.mmap, fd: int, out: Any, start: int, offset: int, sizes: tuple
         slabs = _slabs(sizes, strides, offset)
         # sparse runs: the faults fetch their own pages, where a request for the range would
         # fetch the pages between them too
-        ahead = _Ahead(fd, start, whole.ctypes.data, slabs if _dense(sizes, strides) else [])
+        address = src.__array_interface__["data"][0] - offset
+        ahead = _Ahead(fd, start, address, slabs if _dense(sizes, strides) else [])
         ahead.fetch(0)
         for n, (i, j, _, b) in enumerate(slabs):
             ahead.fetch(n + 1)  # fetched while this slab is copied
-            _check_size(fd, start + b, start + offset, path=path, key=key)
+            if n:  # the first slab's end was checked before the map was made
+                _check_size(fd, start + b, start + offset, path=path, key=key)
             np.copyto(dst[i:j], src[i:j])
     finally:
-        del src, whole  # the map cannot close while a view of it lives
+        del src  # the map cannot close while a view of it lives
 
 
 class _Ahead:
-    """Asks for a slab's pages when ``mincore`` finds its first or last page missing."""
+    """Asks for a slab's pages: at once when they fit one request (a ``mincore`` check
+    costs about as much), else when ``mincore`` finds its first or last page missing."""
 
     def __init__(self, fd: int, start: int, address: int, slabs: list[tuple[int, int, int, int]]):
         self.fd, self.start, self.address, self.slabs = fd, start, address, slabs
@@ -134,7 +136,7 @@ class _Ahead:
     def fetch(self, n: int) -> None:
         if n < len(self.slabs):
             a, b = self.slabs[n][2:]
-            if not resident(self.address, (a, b - 1)):
+            if b - a <= WILLNEED_STEP or not resident(self.address, (a, b - 1)):
                 willneed(self.fd, self.start + a, self.start + b)
 
 
