@@ -18,6 +18,13 @@ destination cannot be written through a view (not a torch tensor, or a box that 
 broadcast only whole), or the piece travels as float8 (FP8 blockwise destinations: a
 changed scale changes the whole block, so these are kept simple and go dense). Local
 copies (a rank that holds and wants a piece) are always made.
+
+A call after the first one of its plan writes no destination until every rank agreed that
+it succeeded (``_move.Pending``: the pieces arrive in staging, as many bytes as the call
+receives; ``_transfer`` applies them after its final check), and the senders' copies are
+updated only then: a call that fails part way leaves every destination with the previous
+step, bit for bit. The first call of a plan writes in place (the destinations do not hold
+a step of this plan yet).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce
 from ._layout import pointers
-from ._move import _numel, lazily, mine
+from ._move import Pending, _numel, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
 from ._sparse import SparseRound, changed, comparable, pack, sparse_nbytes
 
@@ -64,6 +71,7 @@ class Delta:
         self.rank, self.stage_bytes = rank, stage_bytes
         self.sent: dict[int, Any] = {}  # piece index -> the values it last sent
         self.where: Any = None  # the destination tensors the previous call filled (``pointers``)
+        self.filling: Any = None  # those of this call, until it is committed
         self.payloads: dict[int, Any] = {}  # piece index -> this call's bitmask + values (holder)
         self.moving: list[int] = []
         self.pieces = self.skipped = self.sparse = 0
@@ -116,30 +124,39 @@ class Delta:
                     sparse.append((i, nbytes))
         return dense, sparse
 
+    @property
+    def committed(self) -> bool:
+        """Whether a call of this plan completed on every rank (the destinations hold its step)."""
+        return self.where is not None
+
     def steps(self, platform: Any, plan: TransferPlan, src: Mapping[str, Target], dst: Mapping[str, Target],
-              *, collective: bool, subgroups: bool, batch_bytes: int, watch: Any) -> Iterable[Any]:
+              *, collective: bool, subgroups: bool, batch_bytes: int, watch: Any,
+              pending: Pending | None) -> Iterable[Any]:
         """This call's rounds: the plan's local copies and its changed pieces, whole, then the
-        sparse ones (one all-reduce)."""
+        sparse ones (one all-reduce); with ``pending``, their writes into ``dst`` wait there."""
         self.dtype = platform.dtype_from_name
         lanes = self._lanes(plan, src, dst)
         if collective:
             lanes = all_reduce(platform, lanes, "max", watch)
         dense, sparse = self._choose(plan, lanes)
-        self.where = pointers(dst)
+        self.filling = pointers(dst)
         self.moving = dense + [i for i, _ in sparse]
         self.pieces, self.skipped, self.sparse = len(self.moving), len(plan.pieces) - len(self.moving), len(sparse)
         pieces = [plan.pieces[i] for i in dense]
         sub = TransferPlan(pieces=pieces, rounds=_rounds(pieces, batch_bytes, self.stage_bytes))
-        tail = SparseRound(platform, self.rank, batch_bytes)
+        tail = SparseRound(platform, self.rank, batch_bytes, pending)
         for i, nbytes in sparse:
             p = plan.pieces[i]
             if not subgroups or self.rank in p.ranks:
                 tail.add(p, nbytes, self.payloads.get(i), src, dst)
         self.payloads = {}
-        return chain(lazily(platform, mine(sub, self.rank, subgroups), src, dst, batch_bytes=batch_bytes), [tail])
+        rounds = lazily(platform, mine(sub, self.rank, subgroups), src, dst, batch_bytes=batch_bytes, pending=pending)
+        return chain(rounds, [tail])
 
     def sent_now(self, plan: TransferPlan, src: Mapping[str, Target]) -> None:
-        """Remember what this rank sent in this call (after its broadcasts completed)."""
+        """Remember what this rank sent in this call, once every rank agreed it succeeded
+        (before, a failed call would leave the copies ahead of the destinations)."""
+        self.where = self.filling
         for i in self.moving:
             p = plan.pieces[i]
             if p.holder != self.rank or len(p.ranks) == 1:

@@ -6,12 +6,18 @@ it through a temporary that it copies back into the source after the wait. A rec
 whose piece arrives in another dtype, or into a destination that has no aliasing views,
 receives into staging and copies into place after its round. The rounds of the plan bound
 that staging (``_planner._rounds``).
+
+A delta transfer after its first call (``_delta``) writes no destination while data moves:
+given a ``Pending``, every piece a receiver gets arrives in staging, and its copies into the
+destinations (and a holder's copies of its own pieces) are held there until every rank
+agreed that the call succeeded (``_transfer``), so that a failed call leaves the previous
+step in place. That staging is as large as the bytes the rank receives in the call.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +25,7 @@ from ..layouts._targets import Target
 from ..plan._owners import dtype_itemsize
 from ._planner import TransferPiece, TransferPlan
 
-__all__ = ["MoveStats", "lazily", "mine", "move", "prepare"]
+__all__ = ["MoveStats", "Pending", "lazily", "mine", "move", "prepare"]
 
 
 @dataclass
@@ -32,6 +38,31 @@ class MoveStats:
     bytes_copied: int = 0
     pieces: int = 0
     seconds: float = 0.0
+
+
+class Pending:
+    """The writes into this rank's destinations that a delta call holds back until every rank
+    agreed that it succeeded (module docstring): ``apply`` makes them, then runs ``then``
+    (the senders' record of what they sent). Local only: nothing in it waits for a peer."""
+
+    def __init__(self, platform: Any):
+        self.platform = platform
+        self.writes: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self.then: list[Callable[[], None]] = []
+
+    def copy(self, target: Target, into: Any, source: Any) -> None:
+        self.writes.append((target.adapter.copy, (into, source)))
+
+    def add(self, write: Callable[..., None], *args: Any) -> None:
+        self.writes.append((write, args))
+
+    def apply(self) -> None:
+        for write, args in self.writes:
+            write(*args)
+        self.platform.synchronize()
+        self.writes = []
+        for then in self.then:
+            then()
 
 
 def mine(plan: TransferPlan, rank: int, subgroups: bool) -> list[list[TransferPiece]]:
@@ -55,10 +86,11 @@ def _contiguous(tensor: Any) -> bool:
 class _Round:
     """One round on this rank, prepared once and runnable again while the tensors stay:
     the copies to make before it (a holder's own pieces, staging of casts and of strided
-    sources), its broadcast items, and the copies to make after it (received staging)."""
+    sources), its broadcast items, and the copies to make after it (received staging). With
+    ``pending``, the copies into destinations go there instead (module docstring)."""
 
-    def __init__(self, platform: Any, rank: int, batch_bytes: int):
-        self.platform, self.rank, self.batch_bytes = platform, rank, batch_bytes
+    def __init__(self, platform: Any, rank: int, batch_bytes: int, pending: Pending | None = None):
+        self.platform, self.rank, self.batch_bytes, self.pending = platform, rank, batch_bytes, pending
         self.before: list[tuple[Target, Any, Any]] = []  # (target whose adapter copies, into, from)
         self.items: list[Any] = []
         self.after: list[tuple[Target, Any, Any]] = []
@@ -79,7 +111,11 @@ class _Round:
             view = _src_view(source, piece)
             if self.rank in piece.receivers:  # a holder that needs the piece copies it
                 target = dst[piece.dst]
-                self.before.append((target, target.view(piece.offsets, piece.sizes), view))
+                into = target.view(piece.offsets, piece.sizes)
+                if self.pending is not None:
+                    self.pending.copy(target, into, view)
+                else:
+                    self.before.append((target, into, view))
                 self.copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
             if len(piece.ranks) == 1:
                 return
@@ -92,7 +128,10 @@ class _Round:
         target = dst[piece.dst]
         view = target.view(piece.offsets, piece.sizes)
         tensor = view
-        if piece.wire != piece.dst_dtype or not target.in_place(piece.offsets, piece.sizes):
+        if self.pending is not None:
+            tensor = self._staging(piece)
+            self.pending.copy(target, view, tensor)
+        elif piece.wire != piece.dst_dtype or not target.in_place(piece.offsets, piece.sizes):
             tensor = self._staging(piece)
             self.after.append((target, view, tensor))
         self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes, tensor))
@@ -124,14 +163,14 @@ def _numel(sizes: Sequence[int]) -> int:
 
 
 def prepare(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
-            dst: Mapping[str, Target], *, batch_bytes: int) -> list[_Round]:
+            dst: Mapping[str, Target], *, batch_bytes: int, pending: Pending | None = None) -> list[_Round]:
     """This rank's rounds (``rounds``: from ``mine``) over these targets' tensors. Each holds
     views of them and its staging (cast and lone strided pieces only, bounded per round by
     the plan): kept while the tensors stay, so that a reused plan builds nothing."""
     rank = platform.rank()
     out = []
     for pieces in rounds:
-        step = _Round(platform, rank, batch_bytes)
+        step = _Round(platform, rank, batch_bytes, pending)
         for piece in pieces:
             step.add(piece, src, dst)
         out.append(step)
@@ -139,10 +178,11 @@ def prepare(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mappi
 
 
 def lazily(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mapping[str, Target],
-           dst: Mapping[str, Target], *, batch_bytes: int) -> Iterator[_Round]:
-    """``prepare``, one round at a time: a round's staging is freed before the next's exists."""
+           dst: Mapping[str, Target], *, batch_bytes: int, pending: Pending | None = None) -> Iterator[_Round]:
+    """``prepare``, one round at a time: a round's staging is freed before the next's exists
+    (unless ``pending`` holds it for later)."""
     for pieces in rounds:
-        yield from prepare(platform, [pieces], src, dst, batch_bytes=batch_bytes)
+        yield from prepare(platform, [pieces], src, dst, batch_bytes=batch_bytes, pending=pending)
 
 
 def move(platform: Any, prepared: Iterable[_Round], *, max_in_flight: int, groups: Any, watch: Any) -> MoveStats:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..layouts._targets import Target
 from ..plan._owners import dtype_itemsize
-from ._move import MoveStats, _src_view
+from ._move import MoveStats, Pending, _src_view
 from ._planner import TransferPiece
 
 __all__ = ["SparseRound", "changed", "comparable", "pack", "sparse_nbytes"]
@@ -86,10 +86,11 @@ def _unpack(buf: Any, numel: int, wire: Any) -> tuple[Any, Any]:
 class SparseRound:
     """The sparse pieces of one delta transfer on this rank: one ``broadcast_items`` call of
     their buffers (the holder's packed ones, the receivers' empty ones), then each receiver
-    writes the changed values into its destination. Runs after the dense rounds (``move``)."""
+    writes the changed values into its destination. Runs after the dense rounds (``move``).
+    With ``pending``, those writes and the holder's own copies wait there (``_move.Pending``)."""
 
-    def __init__(self, platform: Any, rank: int, batch_bytes: int):
-        self.platform, self.rank, self.batch_bytes = platform, rank, batch_bytes
+    def __init__(self, platform: Any, rank: int, batch_bytes: int, pending: Pending | None = None):
+        self.platform, self.rank, self.batch_bytes, self.pending = platform, rank, batch_bytes, pending
         self.items: list[Any] = []
         self.scatter: list[tuple[Any, Any, Any, int]] = []  # (destination view, buffer, wire dtype, numel)
         self.local: list[tuple[Target, Any, Any]] = []  # (target, into, from): the holder's own copies
@@ -106,8 +107,11 @@ class SparseRound:
         self.pieces += 1
         if self.rank == piece.holder:
             if self.rank in piece.receivers:  # a holder that needs the piece copies it whole, locally
-                self.local.append((dst[piece.dst], dst[piece.dst].view(piece.offsets, piece.sizes),
-                                   _src_view(src[piece.src], piece)))
+                copy = (dst[piece.dst], dst[piece.dst].view(piece.offsets, piece.sizes), _src_view(src[piece.src], piece))
+                if self.pending is not None:
+                    self.pending.copy(*copy)
+                else:
+                    self.local.append(copy)
                 self.copied += _numel(piece.sizes) * dtype_itemsize(piece.dst_dtype)
             self.items.append(BroadcastItem(piece.holder, piece.ranks, nbytes, payload))
             return
@@ -131,9 +135,17 @@ class SparseRound:
         stats.bytes_sent += got.bytes_sent
         stats.bytes_received += got.bytes_received
         self.platform.synchronize()
-        for view, buf, wire, numel in self.scatter:
-            mask, values = _unpack(buf, numel, wire)
-            view.masked_scatter_(mask.view(view.shape), values.to(view.dtype))  # a view: in place
+        for args in self.scatter:
+            if self.pending is not None:
+                self.pending.add(_scatter, *args)
+            else:
+                _scatter(*args)
+
+
+def _scatter(view: Any, buf: Any, wire: Any, numel: int) -> None:
+    """Write the changed values of ``buf`` (``pack``'s) into ``view`` where its bits are set."""
+    mask, values = _unpack(buf, numel, wire)
+    view.masked_scatter_(mask.view(view.shape), values.to(view.dtype))  # a view: in place
 
 
 def _numel(sizes: Sequence[int]) -> int:

@@ -10,9 +10,10 @@ before the data moves, and a changed layout on any rank is planned anew on every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from ._delta import Delta
 from ._fp8 import plan_layouts
 from ._kept import agree, forget, group_object, keep
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
-from ._move import MoveStats, lazily, mine, move, prepare
+from ._move import MoveStats, Pending, lazily, mine, move, prepare
 from ._planner import TransferPlan
 from ._sync_group import sides_named
 
@@ -157,29 +158,54 @@ def transfer(
 
     Every problem (a destination no rank holds, shapes that differ, a cast refused, ranks
     passing different settings) raises ``LoadError`` on every rank before any destination
-    is written. ``process_group``: the torch.distributed group to transfer within (default:
-    the default group; plans and groups are kept per group); ranks outside it do not call.
-    Every call counts, so that the n-th transfer of every rank shares one name: a rank whose
-    arguments are refused here tells the others at once. ``delta``: send only what changed since
-    the last transfer of this plan (``_delta``: bitmask + values or whole pieces; the first all).
-    Returns this rank's ``TransferReport``.
+    is written. A failure while data moves (a rank raises or dies) raises ``LoadError`` on
+    every rank and forgets the plan (the next transfer sends everything); the destinations
+    may then hold a mix of two steps, except after a ``delta`` call (below) past its first.
+    ``process_group``: the torch.distributed group to transfer within (default: the default
+    group; plans and groups are kept per group); ranks outside it do not call. Every call
+    counts: a rank whose arguments are refused here tells the others at once. ``delta``:
+    send only what changed since the last transfer of this plan (``_delta``; the first call
+    sends all); later calls stage what arrives (the bytes received) and write it only once
+    every rank succeeded, so a failed one leaves the previous step. Returns this rank's
+    ``TransferReport``.
     """
     slot = next_slot("transfer", scope_of(process_group))
-    refused_together("transfer", slot, process_group,
-                     lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
+    refused_together("transfer", slot, process_group, lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
     start = time.perf_counter()
-    src_side, dst_side = side_of("src", src), side_of("dst", dst)
-    errors: list[str] = []
+    src_side, dst_side, errors = side_of("src", src), side_of("dst", dst), []
     source_map, platform = _resolve(sources, platform, [*src_side.leaves, *dst_side.leaves], process_group, errors)
-    collective = platform.is_distributed()
-    coord = Coordinator(platform, collective=collective, operation="transfer", slot=slot,
+    coord = Coordinator(platform, collective=platform.is_distributed(), operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
     settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES, bool(delta))
-    with sides_named(process_group), coord:  # within a TransferGroup, errors say which job is which
-        coord.phase = "validate"
-        coord.arrive()
-        return _transfer(coord, platform, collective, src_side, dst_side, errors, settings, source_map,
-                         keep_plan=keep_plan, start=start)
+    writes = _Writes()
+    with writes.noted(), sides_named(process_group), coord:  # within a TransferGroup, errors say which job is which
+        return _transfer(coord, platform, platform.is_distributed(), src_side, dst_side, errors, settings,
+                         source_map, keep_plan=keep_plan, start=start, writes=writes)
+
+
+class _Writes:
+    """How this call writes the destinations, known once the plan is: in place as pieces
+    arrive, or (``staged``: a delta call after its plan's first) only after every rank
+    succeeded. A ``LoadError`` after that point says what the destinations hold."""
+
+    IN_PLACE = ("transfer: the destinations may hold a mix of two steps (pieces written before the failure "
+                "hold the new values, the others the previous ones); this call's plan was forgotten, so the "
+                "next transfer plans again and sends everything (with delta=True too)")
+    STAGED = ("transfer(delta=True): no destination was written (the pieces were staged, to be written only "
+              "after every rank succeeded): every destination holds the previous transfer's values; this "
+              "call's plan was forgotten, so the next transfer plans again and sends everything")
+
+    def __init__(self) -> None:
+        self.known = self.staged = False
+
+    @contextlib.contextmanager
+    def noted(self) -> Iterator[None]:
+        try:
+            yield
+        except LoadError as exc:
+            if self.known and exc.phase != "validate" and exc.args:
+                exc.args = (f"{exc.args[0]}\n{self.STAGED if self.staged else self.IN_PLACE}", *exc.args[1:])
+            raise
 
 
 def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any], process_group: Any,
@@ -241,26 +267,38 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
 
 
 def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str, Target],
-             dst: Mapping[str, Target], *, fresh: bool, batch_bytes: int, max_in_flight: int) -> MoveStats:
-    """This rank's copies and broadcasts (phase ``execute``); a failure here is named to
-    every rank by the coordinator."""
+             dst: Mapping[str, Target], *, fresh: bool, batch_bytes: int,
+             max_in_flight: int) -> tuple[MoveStats, Pending | None]:
+    """This rank's copies and broadcasts (phase ``execute``), and the writes a delta call
+    holds back (``_delta``: applied by ``_commit``); a failure here is named to every rank
+    by the coordinator."""
     coord.phase = "execute"
     try:
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
         if entry.delta is None:
             return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
-                        groups=entry.groups, watch=coord.waiter)
+                        groups=entry.groups, watch=coord.waiter), None
+        pending = Pending(platform) if entry.delta.committed else None
         steps = entry.delta.steps(platform, entry.plan, src, dst, collective=platform.is_distributed(),
                                   subgroups=platform.capabilities.subgroups, batch_bytes=batch_bytes,
-                                  watch=coord.waiter)
+                                  watch=coord.waiter, pending=pending)
         stats = move(platform, steps, max_in_flight=max_in_flight, groups=entry.groups, watch=coord.waiter)
-        entry.delta.sent_now(entry.plan, src)
-        return stats
+        return stats, pending
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
     except Exception as exc:
         raise LoadError({platform.rank(): [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
+
+
+def _commit(entry: _Entry, src: Mapping[str, Target], pending: Pending | None) -> None:
+    """After every rank passed the final check: a delta call's held-back writes, then the
+    senders' record of what they sent. Local only: no peer can fail it from here."""
+    if entry.delta is None:
+        return
+    if pending is not None:
+        pending.apply()
+    entry.delta.sent_now(entry.plan, src)
 
 
 def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapping[str, Target],
@@ -279,8 +317,10 @@ def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapp
 
 def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
               settings: tuple[Any, ...], source_map: SourceMap | None, *, keep_plan: bool,
-              start: float) -> TransferReport:
-    """``transfer`` once every rank arrived: agree on a kept plan or plan anew, move, check."""
+              start: float, writes: _Writes) -> TransferReport:
+    """``transfer``: wait for every rank, agree on a kept plan or plan anew, move, check, write."""
+    coord.phase = "validate"
+    coord.arrive()
     key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"))
     entry, kept_after = agree(platform, collective, key, failed=bool(errors) or unusable_cause(platform) is not None,
                               keep_plan=keep_plan, watch=coord.waiter)
@@ -292,14 +332,16 @@ def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
         src_t, dst_t = entry.src, entry.dst
     else:
         src_t, dst_t = with_locals(src, entry.src), with_locals(dst, entry.dst)
+    writes.known, writes.staged = True, entry.delta is not None and entry.delta.committed
     if entry.fp8 is not None:  # this rank's sources of FP8 blockwise destinations, quantized now
         src_t = entry.fp8.quantized(src_t)
     planned = time.perf_counter()
     done = False
     try:
-        stats = _execute(coord, platform, entry, src_t, dst_t, fresh=not reused, batch_bytes=settings[0],
-                         max_in_flight=settings[1])
+        stats, pending = _execute(coord, platform, entry, src_t, dst_t, fresh=not reused, batch_bytes=settings[0],
+                                  max_in_flight=settings[1])
         (job_sent,) = coord.check([], "execute", collective=collective, sums=(stats.bytes_sent,))
+        _commit(entry, src_t, pending)
         done = True
     finally:
         if not done:
