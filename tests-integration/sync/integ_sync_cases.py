@@ -360,14 +360,16 @@ def _picks(name: str, step: int, share: float) -> torch.Tensor:
 
 
 def sparse_bytes(name: str, step: int, share: float, rank: int) -> int:
-    """What engine rank ``rank`` should receive of ``name`` as bitmask + values: per piece
-    (trainer rank h's rows x this rank's columns, 64 x 32) the 8-byte-padded bitmask and 2
-    bytes per changed element."""
+    """What engine rank ``rank`` should receive of ``name`` as positions + values: per piece
+    (trainer rank h's rows x this rank's columns, 64 x 32) the smaller of the bitmask and the
+    int32 indices of the changed elements (each padded to 8 bytes), and 2 bytes per changed
+    element."""
     rows, cols = SPARSE_SHAPES[name]
     idx = _picks(name, step, share)
     mine = idx[(idx % cols) // (cols // 2) == rank]
-    return sum(-(-(rows // 2) * (cols // 2) // 64) * 8 + 2 * int(((mine // cols) // (rows // 2) == h).sum())
-               for h in range(2))
+    counts = [int(((mine // cols) // (rows // 2) == h).sum()) for h in range(2)]
+    mask = -(-(rows // 2) * (cols // 2) // 64) * 8
+    return sum(min(mask, -(-4 * n // 8) * 8) + 2 * n for n in counts)
 
 
 def delta_sparse(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from ..plan._digest import all_reduce
 from ._layout import pointers
 from ._move import Pending, _numel, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
-from ._sparse import SparseRound, changed, comparable, pack, sparse_nbytes
+from ._sparse import SparseRound, by_index, changed, comparable, pack, pack_indices, sparse_nbytes
 
 __all__ = ["Delta"]
 
@@ -72,14 +72,15 @@ class Delta:
         self.sent: dict[int, Any] = {}  # piece index -> the values it last sent
         self.where: Any = None  # the destination tensors the previous call filled (``pointers``)
         self.filling: Any = None  # those of this call, until it is committed
-        self.payloads: dict[int, Any] = {}  # piece index -> this call's bitmask + values (holder)
+        self.payloads: dict[int, Any] = {}  # piece index -> this call's positions + values (holder)
+        self.updates: dict[int, Any] = {}  # piece index -> (indices, values) that changed this call
         self.moving: list[int] = []
         self.pieces = self.skipped = self.sparse = 0
         self.dtype: Any = None  # the platform's dtype of a dtype name
 
     def _count(self, i: int, p: TransferPiece, source: Target) -> int:
         """Elements of held piece ``i`` that changed since this rank last sent it (all of
-        them for one never sent); packs bitmask + values when they are smaller than the piece."""
+        them for one never sent); packs positions + values when they are smaller than the piece."""
         view, last, numel = _view(source, p), self.sent.get(i), _numel(p.sizes)
         if last is None:
             return numel
@@ -87,7 +88,16 @@ class Delta:
             return 0 if _same(view, last) else numel
         mask = changed(view, last)
         count = int(mask.count_nonzero())
-        if count and sparse_nbytes(numel, count, p.wire) < p.nbytes:
+        if not count or sparse_nbytes(numel, count, p.wire) >= p.nbytes:
+            return count
+        if by_index(numel, count):
+            import torch
+
+            indices = mask.view(-1).nonzero().squeeze(1)
+            values = torch.take(view, indices)  # row-major positions of a (strided) view
+            self.payloads[i] = pack_indices(indices, values.to(self.dtype(p.wire)), numel)
+            self.updates[i] = (indices, values)  # the kept copy changes only there (``sent_now``)
+        else:
             self.payloads[i] = pack(mask, view[mask].to(self.dtype(p.wire)))
         return count
 
@@ -97,7 +107,7 @@ class Delta:
         n = len(plan.pieces)
         lanes = [0] * (2 * n)
         moved = self.where is not None and pointers(dst) != self.where
-        self.payloads = {}
+        self.payloads, self.updates = {}, {}
         for i, p in enumerate(plan.pieces):
             if len(p.ranks) == 1:
                 continue
@@ -108,11 +118,12 @@ class Delta:
                 lanes[n + i] = int(not _scatters(dst[p.dst], p))
         return lanes
 
-    def _choose(self, plan: TransferPlan, lanes: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """(dense pieces, (sparse piece, its bytes)) from the all-reduced lanes: alike on every rank."""
+    def _choose(self, plan: TransferPlan, lanes: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """(dense pieces, (sparse piece, its bytes, its changed elements)) from the all-reduced
+        lanes: alike on every rank."""
         n = len(plan.pieces)
         dense: list[int] = []
-        sparse: list[tuple[int, int]] = []
+        sparse: list[tuple[int, int, int]] = []
         for i, p in enumerate(plan.pieces):
             if len(p.ranks) == 1:
                 dense.append(i)
@@ -121,7 +132,7 @@ class Delta:
                 if lanes[n + i] or _fp8(p.wire) or nbytes >= p.nbytes:
                     dense.append(i)
                 else:
-                    sparse.append((i, nbytes))
+                    sparse.append((i, nbytes, lanes[i]))
         return dense, sparse
 
     @property
@@ -140,15 +151,15 @@ class Delta:
             lanes = all_reduce(platform, lanes, "max", watch)
         dense, sparse = self._choose(plan, lanes)
         self.filling = pointers(dst)
-        self.moving = dense + [i for i, _ in sparse]
+        self.moving = dense + [i for i, _, _ in sparse]
         self.pieces, self.skipped, self.sparse = len(self.moving), len(plan.pieces) - len(self.moving), len(sparse)
         pieces = [plan.pieces[i] for i in dense]
         sub = TransferPlan(pieces=pieces, rounds=_rounds(pieces, batch_bytes, self.stage_bytes))
         tail = SparseRound(platform, self.rank, batch_bytes, pending)
-        for i, nbytes in sparse:
+        for i, nbytes, count in sparse:
             p = plan.pieces[i]
             if not subgroups or self.rank in p.ranks:
-                tail.add(p, nbytes, self.payloads.get(i), src, dst)
+                tail.add(p, nbytes, count, self.payloads.get(i), src, dst)
         self.payloads = {}
         rounds = lazily(platform, mine(sub, self.rank, subgroups), src, dst, batch_bytes=batch_bytes, pending=pending)
         return chain(rounds, [tail])
@@ -161,9 +172,12 @@ class Delta:
             p = plan.pieces[i]
             if p.holder != self.rank or len(p.ranks) == 1:
                 continue
-            view, kept = _view(src[p.src], p), self.sent.get(i)
+            view, kept, update = _view(src[p.src], p), self.sent.get(i), self.updates.get(i)
             if kept is None:
                 self.sent[i] = view.clone()
+            elif update is not None:
+                kept.put_(*update)  # only the changed elements (the kept copy is contiguous)
             else:
                 kept.copy_(view)
+        self.updates = {}
 
