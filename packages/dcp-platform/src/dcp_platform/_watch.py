@@ -402,6 +402,7 @@ class _Heartbeats:
     def remove(self, watch: Watch) -> None:
         with self._cond:
             self._due.pop(watch, None)
+            self._cond.notify_all()  # a thread waiting for this watch's beat lets go of it
             while self._beating is watch:
                 self._cond.wait()
 
@@ -417,6 +418,9 @@ class _Heartbeats:
                     if watch in self._due:
                         self._due[watch] = time.monotonic() + watch.heartbeat_s
                     self._cond.notify_all()
+            # not held while this thread waits for the next beat: a closed watch (and the
+            # store, group and port it references) goes with its owner's last reference
+            del watch
 
     def _next_due(self) -> Watch:
         """The open watch whose beat is due, once one is (called holding the lock)."""

@@ -18,16 +18,27 @@ from ..layouts._state import Chunk, is_tensor
 __all__ = ["engine_shards", "tp_offsets"]
 
 
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"tp_offsets: {what} must be an int, got {value!r}")
+    return value
+
+
 def tp_offsets(global_shape: Sequence[int], dim: int | None, rank: int, size: int) -> tuple[int, ...]:
     """The offsets of tensor-parallel rank ``rank``'s shard among ``size`` even shards of
-    ``global_shape`` along ``dim`` (None: replicated, all zeros)."""
+    ``global_shape`` along ``dim`` (None: replicated, all zeros; negative: from the end)."""
     shape = tuple(int(s) for s in global_shape)
-    if not 0 <= rank < size:
-        raise ValueError(f"tp_offsets: rank must be in [0, {size}), got {rank}")
+    rank, size = _int(rank, "rank"), _int(size, "size")
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"tp_offsets: rank must be in [0, {size}) and size >= 1, got rank={rank}, size={size}")
     if dim is None:
         return (0,) * len(shape)
-    d = dim % len(shape) if shape else dim
-    if not shape or shape[d] % size:
+    dim = _int(dim, "dim")
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"tp_offsets: dim {dim} is out of range for global_shape {shape} ({len(shape)} "
+                         "dimension(s))")
+    d = dim % len(shape)
+    if shape[d] % size:
         raise ValueError(f"tp_offsets: dimension {dim} of global_shape {shape} does not split evenly into {size} "
                          "shards; pass offsets of your own")
     return tuple(rank * shape[d] // size if i == d else 0 for i in range(len(shape)))
@@ -43,6 +54,10 @@ def _one(name: str, value: Any, shape: Any) -> Chunk:
         tensor, offsets = value
     elif is_tensor(value):
         tensor, offsets = value, (0,) * len(tuple(value.shape))
+        if shape is not None and tuple(tensor.shape) != tuple(shape):  # a shard passed alone would land at 0
+            raise ValueError(f"engine_shards: {name!r} is a plain tensor of shape {tuple(tensor.shape)} but "
+                             f"global_shapes gives {tuple(shape)}: a plain tensor stands for the whole parameter; "
+                             "pass a shard as (tensor, offsets), e.g. offsets from tp_offsets")
     else:
         raise TypeError(f"engine_shards: {name!r} must be (tensor, offsets), a Chunk or a tensor, got "
                         f"{type(value).__name__}")

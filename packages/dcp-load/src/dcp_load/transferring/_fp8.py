@@ -3,9 +3,13 @@
 A destination ``D`` of dtype ``float8_e4m3fn`` that comes with a destination named
 ``D_scale_inv`` (on any rank; vLLM's layout of a block-quantized weight) is filled with a
 blockwise quantization: per 128 x 128 block of the 2-D source, ``scale = amax / 448``
-(448: the largest e4m3fn value; an all-zero block gets scale 1), ``D = x / scale`` as
-e4m3fn and ``D_scale_inv[i, j] = scale`` of block ``(i, j)`` (the last blocks may be
-partial). Without ``D_scale_inv``, an FP8 destination is an ordinary cast, as before.
+(448: the largest e4m3fn value; an all-zero block gets scale 1; NaN elements do not count
+in amax and stay NaN; a scale below the smallest float32 is that smallest, never 0),
+``D = x / scale`` as e4m3fn and ``D_scale_inv[i, j] = scale`` (float32) of block ``(i, j)``
+(the last blocks may be partial). Without ``D_scale_inv``, an FP8 destination is an
+ordinary cast, as before. A fused destination (``Concat``) needs each part placed on block
+boundaries (every part but the last a multiple of 128 along the concat dim), so that each
+block's scale is one source block's; otherwise it is refused, naming the part.
 
 How: once the ranks' layouts are gathered (the plan exchange), ``derive`` rewrites them as
 if every source tensor ``s`` that feeds such a destination were held as FP8 (same boxes)
@@ -22,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layouts._sources import Slice, SourceMap, leaves, map_leaves
+from ..layouts._sources import Slice, SourceError, SourceMap, compose, describe, leaves, map_leaves
 from ..layouts._targets import Target
 from ._layout import Entry
 from ._planner import TransferPlan, plan_transfer
@@ -35,6 +39,10 @@ FP8_MAX = 448.0
 BLOCK = 128
 SCALE_SUFFIX = "_scale_inv"
 
+#: The smallest positive float32 (a subnormal): the scale of a block whose amax / 448
+#: underflows to 0 (amax below about 6e-43), so that no block divides by 0.
+TINY_SCALE = 2.0 ** -149
+
 
 def quantize_blockwise(x: Any, out: Any = None, scales: Any = None, block: int = BLOCK) -> tuple[Any, Any]:
     """(e4m3fn tensor, float32 scales) of 2-D ``x`` per ``block`` x ``block`` block, into
@@ -46,11 +54,14 @@ def quantize_blockwise(x: Any, out: Any = None, scales: Any = None, block: int =
     padded = torch.zeros(nr * block, nc * block, dtype=torch.float32, device=x.device)
     padded[:rows, :cols] = x
     tiles = padded.view(nr, block, nc, block)
-    amax = tiles.abs().amax(dim=(1, 3))
+    magnitude = tiles.abs()
+    # a NaN element does not make its block's scale NaN (or 1): it stays NaN by itself
+    amax = torch.where(magnitude.isnan(), torch.zeros_like(magnitude), magnitude).amax(dim=(1, 3))
     # a tensor divisor, not a Python number: CUDA divides by a number as a multiplication by
     # its reciprocal (torch 2.11 on an H200: the last bit of about half the scales differed
     # from the CPU's), and sender and reference must agree to the bit on every device
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    scaled = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=TINY_SCALE)
+    scale = torch.where(amax > 0, scaled, torch.ones_like(amax))
     q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(nr * block, nc * block)
     q = q[:rows, :cols].to(torch.float8_e4m3fn)
     if out is None:
@@ -86,8 +97,51 @@ def _has_slice(source: Any) -> bool:
     return not isinstance(source, str) and any(_has_slice(p) for p in source.parts)
 
 
-def _sources(fp8: Sequence[str], source_map: SourceMap | None, all_dst: set[str], fail: Any
-             ) -> tuple[dict[str, Any], dict[str, str]]:
+@dataclass(frozen=True)
+class _Whole:
+    """A source tensor as ``compose`` takes it: its shape, as one chunk."""
+
+    shape: tuple[int, ...]
+    dtype: str = ""
+
+    @property
+    def chunks(self) -> list[Any]:
+        return [self]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return (0,) * len(self.shape)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.shape
+
+
+def _misplaced(name: str, source: Any, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Why ``source``'s parts do not each sit on whole blocks of ``name`` (a fused FP8
+    destination): a block that mixes two parts would get one part's scale. None when they do
+    (or when the planner will name a missing part or a shape that does not fit)."""
+    if isinstance(source, str) or not all(n in shapes for n in leaves(source)):
+        return None
+    try:
+        shape, _, pieces = compose(source, {n: _Whole(tuple(shapes[n])) for n in leaves(source)}, name)
+    except SourceError:
+        return None
+    for piece in pieces:
+        for d, (lo, size, whole) in enumerate(zip(piece.offsets, piece.sizes, shape, strict=True)):
+            real = piece.axes.index(d) if d in piece.axes else None  # and where it is read from
+            held = real is None or _aligned(lo + piece.shift[real], size, shapes[piece.source][real])
+            if not (_aligned(lo, size, whole) and held):
+                return (f"dst {name!r} is FP8 with {name + SCALE_SUFFIX!r}, but its source {describe(source)} puts "
+                        f"part {piece.source!r} at [{lo}, {lo + size}) along dim {d} of {shape[d]}: each part of a "
+                        f"fused FP8 destination must start and end on {BLOCK} x {BLOCK} blocks (or at the "
+                        f"tensor's end), so that each block's scale is one part's; make every part but the last a "
+                        f"multiple of {BLOCK} along dim {d}")
+    return None
+
+
+def _sources(fp8: Sequence[str], source_map: SourceMap | None, all_dst: set[str],
+             shapes: Mapping[str, tuple[int, ...]], fail: Any) -> tuple[dict[str, Any], dict[str, str]]:
     """The ``sources=`` entries with ``D_scale_inv`` added for each FP8 ``D``, and the
     source tensors to quantize."""
     entries = {key: source for key, _, _, source in (source_map.entries if source_map else [])}
@@ -98,6 +152,10 @@ def _sources(fp8: Sequence[str], source_map: SourceMap | None, all_dst: set[str]
         if _has_slice(source):
             fail(f"dst {name!r} is FP8 with {name + SCALE_SUFFIX!r}, but its source {source!r:.200} slices: "
                  "blockwise FP8 takes renames, Concat and Stack of whole source tensors")
+            continue
+        misplaced = _misplaced(name, source, shapes)
+        if misplaced:
+            fail(misplaced)
             continue
         quantized.update({leaf: name for leaf in leaves(source)})
         if source_map is None or source_map.match(name + SCALE_SUFFIX) is None:
@@ -155,7 +213,12 @@ def derive(layouts: Sequence[tuple[Sequence[Entry], Sequence[Entry]]], source_ma
             errors.setdefault(r, []).append(message)
 
     all_dst = {e[0] for _, dst in layouts for e in dst}
-    entries, quantized = _sources(fp8, source_map, all_dst, fail)
+    scale_dtypes = {e[0]: e[2] for _, dst in layouts for e in dst if e[0] in {n + SCALE_SUFFIX for n in fp8}}
+    for scale_name, dtype in sorted(scale_dtypes.items()):
+        if dtype != "float32":  # a narrower dtype would round the scales with no error
+            fail(f"dst {scale_name!r} is {dtype}: blockwise FP8 scales are float32; pass a float32 tensor")
+    shapes = {e[0]: tuple(e[1]) for src, _ in layouts for e in src}
+    entries, quantized = _sources(fp8, source_map, all_dst, shapes, fail)
     out = [(_rewrite(r, src, quantized, fail), list(dst)) for r, (src, dst) in enumerate(layouts)]
     return Fp8Layout(out, SourceMap(entries, owner="transfer"), quantized, errors)
 

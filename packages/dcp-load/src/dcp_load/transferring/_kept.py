@@ -16,7 +16,7 @@ from typing import Any
 
 from ..plan._digest import all_reduce, digest
 
-__all__ = ["MAX_PLANS", "agree", "forget", "group_object", "keep"]
+__all__ = ["MAX_PLANS", "agree", "forget", "forget_group", "group_object", "keep"]
 
 #: Plans kept per process group (one per pair of layouts: a job that moves a policy's and a
 #: reference model's weights keeps both, as does a rank whose layout alternates); the oldest
@@ -131,3 +131,11 @@ def forget(platform: Any, entry: Any) -> None:
     failed; the digest in ``agree`` brings lists that came apart together again)."""
     _remove(_PLANS.get(_scope(platform), []), entry)
     entry.groups.close(wait_for_peers=False, raise_errors=False)
+
+
+def forget_group(key: str) -> None:
+    """Drop every plan kept for the group ``key`` and its broadcast groups, when that group
+    is closed (``TransferGroup.close``, on every member after its last transfer: no peer
+    waits on them)."""
+    for entry in _PLANS.pop(key, []):
+        entry.groups.close(wait_for_peers=False, raise_errors=False)

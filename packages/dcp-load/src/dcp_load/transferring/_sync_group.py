@@ -8,6 +8,14 @@ backend), and build one process group over all of them from that store: trainer 
 weights across the two jobs as it does within one (``dcp_platform``'s ``GroupView`` runs
 every collective on the group object itself, which torch's registry never sees).
 
+Trainer rank 0 opens each group under a fresh nonce (``OPEN_KEY``: the group's name and
+nonce) and removes it when the group closes; the others wait for an open group (reconnecting
+while a closed group's server goes away), and every key of the group (greetings, claims,
+collectives, and the group's key, which names its kept plans and call counts) carries the
+nonce. So a process that rejoins after the other side restarted, or right after a
+``close()``, never reads an earlier group's greetings, and both sides count their calls
+from 0. A rank claims its (side, rank) with an ``add``: a second process claiming it fails.
+
 The handshake is two rounds through the store, each bounded by ``timeout``: every rank
 first reads both leaders' greetings (trainer rank 0 and engine rank 0, which always exist),
 then every rank's. Each rank compares every greeting it read with its own, so a
@@ -18,8 +26,10 @@ the sides, ranks and values; a rank that never arrives is named when the bound e
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -46,6 +56,13 @@ POLL_S = 0.02
 #: never came is not waited for longer than this.
 LINGER_S = 10.0
 
+#: The server key under which trainer rank 0 publishes the open group: ``{"name", "nonce"}``.
+OPEN_KEY = "dcp-sync/open"
+
+#: The longest single attempt to reach the server; attempts repeat until the bound (torch's
+#: client may take twice its timeout to give up, so a short attempt keeps the bound).
+CONNECT_TRY_S = 1.0
+
 
 class TransferGroupError(RuntimeError):
     """The two jobs could not form a transfer group: they disagree, or a rank never came."""
@@ -68,8 +85,9 @@ class TransferGroup:
     """
 
     def __init__(self, store: Any, rank: int, size: int, *, side: str, side_rank: int,
-                 world_sizes: tuple[int, int], key: str, hosted: Any):
+                 world_sizes: tuple[int, int], key: str, hosted: Any, where: str = ""):
         self._store, self._hosted = store, hosted  # the hosting rank keeps its server alive
+        self._where = where  # host:port, for messages
         self._rank, self._size = rank, size
         self._backends: list[Any] = []  # gloo, then NCCL when asked
         self.side, self.side_rank, self.world_sizes = side, side_rank, world_sizes
@@ -84,7 +102,18 @@ class TransferGroup:
     def name(self) -> str:
         return "nccl" if len(self._backends) > 1 else "gloo"
 
-    def get_group_store(self) -> Any:  # the store transfer's helpers meet through
+    def get_group_store(self) -> Any:
+        """The store transfer's helpers meet through; a closed group, or one whose server
+        (trainer rank 0) is gone, raises ``TransferGroupError`` saying so."""
+        if self._store is None:
+            raise TransferGroupError(f"{self!r} is closed")
+        try:
+            self._store.check(["alive"])  # one round trip: the server answers, or is gone
+        except dist.DistError as exc:
+            raise TransferGroupError(
+                f"transfer group {self.dcp_group_key!r} ({self.side} rank {self.side_rank}): trainer rank 0, which "
+                f"serves the group's store at {self._where}, is gone (it failed or left): {type(exc).__name__}: "
+                f"{exc}") from exc
         return self._store
 
     def _get_backend(self, device: Any) -> Any:
@@ -123,16 +152,21 @@ class TransferGroup:
     def sides_text(self) -> str:
         """Which of the group's ranks are which job's, for messages."""
         t, e = self.world_sizes
-        return (f"In transfer group {self.dcp_group_key!r}: {_span(0, t)} are the trainer's {_span(0, t)}, "
+        verb = "is" if t == 1 else "are"
+        return (f"In transfer group {self.dcp_group_key!r}: {_span(0, t)} {verb} the trainer's {_span(0, t)}, "
                 f"{_span(t, t + e)} the engine's {_span(0, e)}.")
 
     def close(self, timeout: float = 30.0) -> None:
-        """Shut the group's backends down, on every rank after its last transfer. The ranks
-        first wait for each other (at most ``timeout`` seconds; a dead peer only delays
-        this): trainer rank 0 serves the store, and a peer still removing its last call's
-        keys from it must not find it gone."""
+        """Shut the group down, on every rank after its last transfer: its backends, its kept
+        plans (with their broadcast groups) and, on trainer rank 0, its store's server and
+        port. The ranks first wait for each other (at most ``timeout`` seconds; a dead peer
+        only delays this): trainer rank 0 serves the store, and a peer still removing its
+        last call's keys from it must not find it gone."""
         if not self._backends:
             return
+        if self._hosted is not None:  # before the wait: a rank that rejoins at once finds no open group
+            with contextlib.suppress(dist.DistError):
+                self._hosted.delete_key(OPEN_KEY)
         try:
             work = self._backends[0].allreduce([torch.zeros(1)])
             work.wait(timedelta(seconds=timeout))
@@ -141,6 +175,10 @@ class TransferGroup:
         for backend in self._backends:
             backend.shutdown()
         self._backends.clear()
+        from ._kept import forget_group
+
+        forget_group(self.dcp_group_key)
+        self._store = self._hosted = None  # the server (and its port) goes with the last reference
 
     def __repr__(self) -> str:
         return (f"TransferGroup({self.dcp_group_key!r}, {self.side} rank {self.side_rank}, rank {self.rank()} "
@@ -193,15 +231,56 @@ def _seconds(timeout: Any) -> float:
     return float(seconds)
 
 
-def _connect(host: str, port: int, hosting: bool, seconds: float, who: str) -> Any:
-    """The TCPStore at ``host:port``: served here on trainer rank 0, else reached as a client
-    (which retries until the server is up or ``seconds`` pass)."""
+def _host(host: str, port: int, seconds: float, who: str, name: str) -> tuple[Any, str]:
+    """Serve the store on ``port`` (trainer rank 0) and open the group there under a fresh
+    nonce: (the server, the nonce)."""
     try:
-        return dist.TCPStore(host, port, None, hosting, timedelta(seconds=seconds), wait_for_workers=False)
+        server = dist.TCPStore(host, port, None, True, timedelta(seconds=seconds), wait_for_workers=False)
     except Exception as exc:  # noqa: BLE001 - the store's own errors name neither the side nor the group
-        what = "host the store on" if hosting else "reach trainer rank 0's store at"
-        raise TransferGroupError(f"transfer_group ({who}): could not {what} {host}:{port} within {seconds:g} s: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+        taken = "address already in use" in str(exc).lower() or getattr(exc, "errno", None) == errno.EADDRINUSE
+        why = (f"port {port} is taken by another process or by a transfer group not closed yet (a port serves "
+               "one group at a time: close() the earlier group, or give each group its own port); ") if taken else ""
+        raise TransferGroupError(f"transfer_group {name!r} ({who}): could not host the store on {host}:{port}: "
+                                 f"{why}{type(exc).__name__}: {exc}") from exc
+    nonce = uuid.uuid4().hex
+    server.set(OPEN_KEY, json.dumps({"name": name, "nonce": nonce}))
+    return server, nonce
+
+
+def _open_group(server: Any) -> dict[str, Any] | None:
+    """The group open on ``server``, or None (one atomic read: a key missing reads as the
+    expected value, which no group's entry equals)."""
+    value = server.compare_set(OPEN_KEY, "-", "-")
+    return None if value == b"-" else json.loads(value)
+
+
+def _reach(host: str, port: int, deadline: float, seconds: float, who: str, name: str) -> tuple[Any, str]:
+    """Trainer rank 0's server at ``host:port`` once it has group ``name`` open, and that
+    group's nonce. Attempts repeat until ``deadline``; a server that goes away (an earlier
+    group's, closing) is reached again, so the new one is found once it is up."""
+    server, last = None, "nothing answered"
+    while True:
+        opened = None
+        try:
+            if server is None:
+                attempt = max(min((deadline - time.monotonic()) / 2, CONNECT_TRY_S), 0.05)
+                server = dist.TCPStore(host, port, None, False, timedelta(seconds=attempt), wait_for_workers=False)
+                server.set_timeout(timedelta(seconds=seconds))
+            opened = _open_group(server)
+            last = "a store answered but has no transfer group open (an earlier group's, closing, or not a group's)"
+        except Exception as exc:  # noqa: BLE001 - not up yet, or gone: try again until the bound
+            server, last = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+        if opened is not None and opened.get("name") != name:
+            raise TransferGroupError(f"transfer_group {name!r} ({who}): {host}:{port} serves transfer group "
+                                     f"{opened.get('name')!r}, not {name!r}: a port serves one group at a time; "
+                                     "give each group its own port")
+        if opened is not None:
+            return server, opened["nonce"]
+        if time.monotonic() >= deadline:
+            raise TransferGroupError(f"transfer_group {name!r} ({who}): trainer rank 0 did not open the group at "
+                                     f"{host}:{port} within {seconds:g} s ({last}); start every rank of both jobs "
+                                     "with the same host, port and name")
+        time.sleep(POLL_S)
 
 
 def _greeting(name: str, side: str, rank: int, sizes: tuple[int, int], backend: str) -> dict[str, Any]:
@@ -240,8 +319,17 @@ def _disagreements(mine: dict[str, Any], others: Sequence[dict[str, Any]]) -> tu
     return said, list(dict.fromkeys(fields))
 
 
-def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], seconds: float, who: str) -> None:
-    deadline = time.monotonic() + seconds
+def _claim(store: Any, hello: dict[str, Any], who: str) -> None:
+    """Claim this (side, rank) in this group: a second process passing the same is refused."""
+    if store.add(f"claim/{hello['side']}/{hello['rank']}", 1) > 1:
+        raise TransferGroupError(f"transfer_group {hello['name']!r} ({who}): another process already joined this "
+                                 f"group as {who}; every process of a job must pass its own rank")
+    store.add("arrived", 1)
+
+
+def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], deadline: float, seconds: float,
+               who: str) -> None:
+    _claim(store, hello, who)
     store.set(f"{hello['side']}/{hello['rank']}", json.dumps(hello))
     for keys in (["trainer/0", "engine/0"],
                  [f"{s}/{r}" for s, n in zip(SIDES, sizes, strict=True) for r in range(n)]):
@@ -254,26 +342,26 @@ def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], second
                                      "backend, with the same dcp-load version")
 
 
-def _handshake_once(store: Any, hello: dict[str, Any], sizes: tuple[int, int], seconds: float, who: str,
-                    hosting: bool) -> None:
-    """``_handshake``; on failure the hosting rank keeps the store up until every rank it
-    expects has failed too (at most ``seconds``), so that each reads the disagreement itself
-    rather than a store that went away; a lost store is named as such."""
+def _handshake_once(store: Any, hello: dict[str, Any], sizes: tuple[int, int], deadline: float, seconds: float,
+                    who: str, hosting: bool) -> None:
+    """``_handshake``; on failure the hosting rank keeps the store up until every rank that
+    arrived has failed too (at most ``LINGER_S``), so that each reads the disagreement
+    itself rather than a store that went away; a lost store is named as such."""
     try:
-        _handshake(store, hello, sizes, seconds, who)
+        _handshake(store, hello, sizes, deadline, seconds, who)
     except TransferGroupError:
-        _leave(store, hosting, sum(sizes), min(seconds, LINGER_S))
+        _leave(store, hosting, min(seconds, LINGER_S))
         raise
     except dist.DistError as exc:
         raise TransferGroupError(f"transfer_group ({who}): trainer rank 0's store went away during the handshake "
                                  f"(that rank failed or left): {type(exc).__name__}: {exc}") from exc
 
 
-def _leave(store: Any, hosting: bool, expected: int, seconds: float) -> None:
+def _leave(store: Any, hosting: bool, seconds: float) -> None:
     deadline = time.monotonic() + seconds
     try:
         left = store.add("failed", 1)
-        while hosting and left < expected and time.monotonic() < deadline:
+        while hosting and left < store.add("arrived", 0) and time.monotonic() < deadline:
             time.sleep(POLL_S)
             left = store.add("failed", 0)
     except dist.DistError:
@@ -308,14 +396,19 @@ def transfer_group(host: str, port: int, *, side: str, rank: int, world_sizes: S
     """
     sizes = _check_arguments(side, rank, world_sizes, backend, name)
     seconds = _seconds(timeout)
+    deadline = time.monotonic() + seconds
     who = f"{side} rank {rank}"
     hosting = side == "trainer" and rank == 0
-    server = _connect(host, int(port), hosting, seconds, who)
-    store = dist.PrefixStore(f"dcp-sync/{name}/", server)
-    _handshake_once(store, _greeting(name, side, rank, sizes, backend), sizes, seconds, who, hosting)
+    if hosting:
+        server, nonce = _host(host, int(port), seconds, who, name)
+    else:
+        server, nonce = _reach(host, int(port), deadline, seconds, who, name)
+    store = dist.PrefixStore(f"dcp-sync/{name}/{nonce}/", server)  # this group's keys only
+    _handshake_once(store, _greeting(name, side, rank, sizes, backend), sizes, deadline, seconds, who, hosting)
     me = rank if side == "trainer" else sizes[0] + rank
     group = TransferGroup(dist.PrefixStore("group/", store), me, sum(sizes), side=side, side_rank=rank,
-                          world_sizes=sizes, key=f"transfer-group:{name}@{host}:{port}", hosted=server)
+                          world_sizes=sizes, key=f"transfer-group:{name}@{host}:{port}#{nonce[:12]}",
+                          hosted=server if hosting else None, where=f"{host}:{port}")
     try:
         _backends(group, store, me, sum(sizes), backend, seconds)
     except Exception as exc:  # noqa: BLE001 - gloo's connect errors name neither side nor group
