@@ -56,3 +56,33 @@ def test_indices_below_one_change_in_32_elements_else_the_bitmask():
     assert _sparse.sparse_nbytes(numel, 20971, "bfloat16") == 4 * 20972 + 2 * 20971  # indices padded to 8 bytes
     assert _sparse.sparse_nbytes(numel, numel // 10, "bfloat16") == numel // 8 + 2 * (numel // 10)
     assert _sparse._index_size(1 << 31) == 8 and _sparse._index_size((1 << 31) - 1) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8])
+@pytest.mark.parametrize("columns", [(8, 48), (0, 64), (3, 43)])
+def test_changed_indices_by_words_equal_the_element_wise_compare(dtype, columns):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 100, (96, 64), generator=g).to(dtype)
+    now = base[:, columns[0]:columns[1]]
+    last = now.clone()
+    picks = torch.randperm(now.numel(), generator=g)[:40]
+    flat = now.reshape(-1).clone()
+    flat[picks] += 1
+    now.copy_(flat.view(now.shape))
+    if dtype.is_floating_point:  # -0.0 against 0.0 and a NaN's payload differ in their bits only
+        last.view(-1)[0], now[0, 0] = 0.0, -0.0
+        last.view(-1)[1] = now[0, 1] = float("nan")
+    want = _sparse.changed(now, last).view(-1).nonzero().squeeze(1)
+    got = _sparse.changed_indices(now, last)
+    aligned = (columns[0] * now.element_size()) % 8 == 0 and (now.shape[1] * now.element_size()) % 8 == 0
+    if not aligned:
+        assert got is None  # rows that do not cut into aligned 8-byte words: element-wise instead
+    else:
+        assert got is not None and torch.equal(got, want), (got, want)
+
+
+def test_changed_indices_gives_way_when_too_many_words_differ():
+    now = torch.zeros(64, 64, dtype=torch.bfloat16)
+    last = now.clone()
+    now.view(-1)[::4] = 1  # every word differs: indices would not be the smaller form
+    assert _sparse.changed_indices(now, last) is None

