@@ -38,3 +38,24 @@ def test_bad_shards_name_their_key():
         engine_shards({"norm": Chunk(torch.zeros(8), (8,), (0,))}, {"norm": (16,)})
     with pytest.raises(ValueError, match="global_shapes names \\['x'\\] that shards lacks"):
         engine_shards({}, {"x": (1,)})
+
+
+def test_a_plain_tensor_that_is_not_the_whole_parameter_is_refused():
+    with pytest.raises(ValueError, match=r"'w' is a plain tensor of shape \(4, 6\) but global_shapes gives \(8, 6\).*"
+                                         r"pass a shard as \(tensor, offsets\)"):
+        engine_shards({"w": torch.zeros(4, 6)}, {"w": (8, 6)})
+    whole = torch.zeros(8, 6)
+    assert engine_shards({"w": whole}, {"w": (8, 6)})["w"].offsets == (0, 0)
+
+
+def test_tp_offsets_refuses_a_dim_out_of_range_and_non_int_arguments():
+    with pytest.raises(ValueError, match=r"dim 2 is out of range for global_shape \(8, 6\)"):
+        tp_offsets((8, 6), 2, 1, 2)
+    with pytest.raises(ValueError, match=r"dim -3 is out of range"):
+        tp_offsets((8, 6), -3, 1, 2)
+    with pytest.raises(TypeError, match="rank must be an int, got True"):
+        tp_offsets((8, 6), 1, True, 2)
+    with pytest.raises(TypeError, match="dim must be an int, got 1.0"):
+        tp_offsets((8, 6), 1.0, 1, 2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 0\) and size >= 1"):
+        tp_offsets((8, 6), 1, 0, 0)

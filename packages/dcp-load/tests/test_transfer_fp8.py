@@ -104,3 +104,56 @@ def test_a_cuda_sender_quantizes_to_the_same_bits_as_the_cpu():
     q_gpu, s_gpu = quantize_blockwise(x.cuda())
     assert torch.equal(s_gpu.cpu(), s)
     assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
+def test_a_nan_element_stays_nan_and_its_block_keeps_the_scale_of_the_others():
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float32)
+    x[5, 7] = float("nan")
+    q, s = quantize_blockwise(x)
+    clean = x.clone()
+    clean[5, 7] = 0  # the scale of block (0, 0) as if the NaN were not there
+    want_q, want_s = reference(clean)
+    assert torch.equal(s, want_s), s
+    assert torch.isnan(q[5, 7].float()) and torch.isnan(q.float()).sum() == 1
+    keep = ~torch.isnan(q.float())
+    assert torch.equal(q.view(torch.uint8)[keep], want_q.view(torch.uint8)[keep])
+
+
+def test_a_block_of_subnormal_values_gets_a_positive_scale_and_no_nan():
+    x = torch.full((128, 128), 1e-44, dtype=torch.float32)  # amax / 448 underflows to 0
+    x[0, 0] = -2e-43
+    q, s = quantize_blockwise(x)
+    assert s.item() > 0 and not torch.isnan(q.float()).any()
+    back = q.float() * s  # within e4m3fn's rounding (3 mantissa bits: 1/16 relative)
+    assert ((back - x).abs() <= x.abs() / 16).all(), (back[0, 0], back[1, 1])
+
+
+def _transfer(src, dst, sources):
+    from dcp_load import transfer
+    from dcp_load._errors import LoadError
+
+    with pytest.raises(LoadError) as caught:
+        transfer(src, dst, sources=sources)
+    return str(caught.value)
+
+
+def test_a_fused_part_off_the_blocks_is_refused_naming_the_part():
+    poison = torch.full((228, 128), 7.0).to(torch.float8_e4m3fn)
+    dst = {"qkv": poison.clone(), "qkv_scale_inv": torch.full((2, 1), -1.0)}
+    message = _transfer({"q": torch.randn(100, 128), "k": torch.randn(128, 128)}, dst,
+                        {"qkv": Concat(["q", "k"], dim=0)})
+    assert "dst 'qkv' is FP8 with 'qkv_scale_inv', but its source Concat(['q', 'k'], dim=0) puts part 'q' at " \
+        "[0, 100) along dim 0 of 228" in message, message
+    assert "q_scale_inv" not in message, message
+    assert torch.equal(dst["qkv"].view(torch.uint8), poison.view(torch.uint8)) and (dst["qkv_scale_inv"] == -1).all()
+    # groups: q's second group lands at row 320 of qkv, after v's first 64 rows
+    message = _transfer({"q": torch.randn(256, 128), "k": torch.randn(256, 128), "v": torch.randn(128, 128)},
+                        {"qkv": torch.zeros(640, 128).to(torch.float8_e4m3fn), "qkv_scale_inv": torch.zeros(5, 1)},
+                        {"qkv": Concat(["q", "k", "v"], dim=0, groups=2)})
+    assert "puts part 'q' at [320, 448) along dim 0 of 640" in message, message
+
+
+def test_a_scale_destination_not_float32_is_refused():
+    dst = {"w": torch.zeros(256, 128).to(torch.float8_e4m3fn), "w_scale_inv": torch.zeros(2, 1, dtype=torch.bfloat16)}
+    message = _transfer({"w": torch.randn(256, 128)}, dst, None)
+    assert "dst 'w_scale_inv' is bfloat16: blockwise FP8 scales are float32" in message, message
