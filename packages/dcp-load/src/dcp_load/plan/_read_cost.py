@@ -68,7 +68,9 @@ class ReadCost:
 #: (dcp-reader ``storage/_scatter.py``): 65,536 runs of 64 B took 4.3 ms, 0.84 ms of it the
 #: bytes, so about 0.05 us a run (the other core busy).
 #: ``map_s``, ``map_bytes_per_s``: short runs are copied out of a memory map (dcp-reader
-#: ``storage/_mapped.py``): a call of 2 to 32 short runs took ~19 us; mapping a 64 MiB
+#: ``storage/_mapped.py``): a call of 2 to 32 short runs took ~19 us, ~1.4 x that since the
+#: map is ``MADV_RANDOM`` and its range asked for with ``WILLNEED`` (32 runs of 64 B: 43-45 us
+#: of CPU against 28-32 us before, alternating, on the 2-core machine under load); mapping a 64 MiB
 #: range and touching a byte of each page 0.85 ms (~75 GB/s); a dim-1 half of a (50304,
 #: 768) bf16 embedding 12.5 ms through ``dcp_load.load`` against 16.7 ms scattered.
 LOCAL_COST = ReadCost(request_s=1.7e-6, run_s=1.7e-6, bytes_per_s=10e9, copy_call_s=7e-6, copy_run_s=1.2e-9,
@@ -80,7 +82,7 @@ LOCAL_COST = ReadCost(request_s=1.7e-6, run_s=1.7e-6, bytes_per_s=10e9, copy_cal
 #: ``fetched`` is the box's bytes either way (tests-integration/load/test_integ_read_once.py
 #: holds a cold load to 1.02 x the unique bytes). On a warm page cache it is the fastest path
 #: for short runs (benchmarks/results/tp.md).
-MAPPED_COST = dataclasses.replace(LOCAL_COST, map_s=19e-6, map_bytes_per_s=75e9)
+MAPPED_COST = dataclasses.replace(LOCAL_COST, map_s=27e-6, map_bytes_per_s=75e9)
 
 #: An object store: a GET's 20-50 ms of latency (dcp-reader README, "Object storage") and
 #: ~100 MB/s per stream; extra bytes are fetched over the network and billed, so covering

@@ -6,7 +6,8 @@ strided NumPy copy, straight from the page cache into the caller's buffer. Measu
 2-core development machine (warm page cache, a 64 MiB file, the other core busy), median
 of 7: 200,000 runs of 64 B one 128 B stride apart took 2.5 ms mapped against 25 ms
 scattered; 43,690 runs of 768 B (a dim-1 half) 4.6 ms against 18.6 ms; 8,192 runs of
-4 KiB took the same both ways; a call of 2 to 32 short runs ~19 us against ~27 us.
+4 KiB took the same both ways; a call of 2 to 32 short runs ~19 us against ~27 us (~27 us
+since the map is ``MADV_RANDOM`` and its range asked for: 1.4 x, below).
 
 Only the pages the runs lie on are fetched, as ``preadv`` of the runs would: a page fault
 on a map reads the kernel's read-ahead window around it (8 MiB on the development
@@ -43,9 +44,9 @@ __all__ = ["MAPPED_RUN_MAX", "SLAB", "map_runs", "mapped_reads"]
 MAPPED_RUN_MAX = 16 * 1024
 
 #: Bytes of the range copied between two checks of the file's size and of whether its next
-#: pages are cached: a check costs ~3 us (fstat, two ``mincore`` calls), ~30 us for a 74 MiB
-#: range, under 0.5 % of its 9 ms copy; while one slab is copied the next one's missing
-#: pages are being fetched.
+#: pages are cached: a check costs ~7 us of CPU (fstat 1.3 us, two ``mincore`` calls through
+#: ctypes 5.5 us, 2-core machine under load), ~70 us for a 74 MiB range, under 1 % of its
+#: 9 ms copy; while one slab is copied the next one's missing pages are being fetched.
 SLAB = 8 * 1024 * 1024
 
 _PAGE = mmap.PAGESIZE
@@ -53,7 +54,7 @@ _PAGE = mmap.PAGESIZE
 
 def mapped_reads() -> bool:
     """Whether short runs are copied out of memory maps: yes unless ``DCP_MAPPED_READS=0``."""
-    return os.environ.get("DCP_MAPPED_READS", "1").strip() != "0"
+    return os.environ.get("DCP_MAPPED_READS") != "0"
 
 
 def map_runs(fd: int | Any, out: Any, base: int, lo: int, hi: int, sizes: tuple[int, ...],
@@ -111,14 +112,22 @@ def _copy(m: mmap.mmap, fd: int, out: Any, start: int, offset: int, sizes: tuple
     src = np.ndarray(shape, dtype=f"u{width}", buffer=m, offset=offset, strides=(*strides[:-1], width))
     dst = dst.view(f"u{width}").reshape(shape)
     try:
-        slabs = _slabs(sizes, strides, offset)
         # sparse runs: the faults fetch their own pages, where a request for the range would
         # fetch the pages between them too
+        dense = _dense(sizes, strides)
         address = src.__array_interface__["data"][0] - offset
-        ahead = _Ahead(fd, start, address, slabs if _dense(sizes, strides) else [])
-        ahead.fetch(0)
+        end = offset + _extent(sizes, strides)
+        if end - offset <= SLAB:  # one slab, whose size was checked before the map was made
+            if dense:
+                _ask(fd, start, address, offset, end)
+            np.copyto(dst, src)
+            return
+        slabs = _slabs(sizes, strides, offset)
         for n, (i, j, _, b) in enumerate(slabs):
-            ahead.fetch(n + 1)  # fetched while this slab is copied
+            if dense:  # this slab's pages, if not yet asked for, and the next one's
+                for k in (n, n + 1) if n == 0 else (n + 1,):
+                    if k < len(slabs):
+                        _ask(fd, start, address, slabs[k][2], slabs[k][3])
             if n:  # the first slab's end was checked before the map was made
                 _check_size(fd, start + b, start + offset, path=path, key=key)
             np.copyto(dst[i:j], src[i:j])
@@ -126,24 +135,22 @@ def _copy(m: mmap.mmap, fd: int, out: Any, start: int, offset: int, sizes: tuple
         del src  # the map cannot close while a view of it lives
 
 
-class _Ahead:
-    """Asks for a slab's pages: at once when they fit one request (a ``mincore`` check
-    costs about as much), else when ``mincore`` finds its first or last page missing."""
+def _ask(fd: int, start: int, address: int, a: int, b: int) -> None:
+    """Ask for the pages of map bytes [a, b): at once when they fit one request (a
+    ``mincore`` check costs about as much), else when ``mincore`` finds the first or last
+    one missing."""
+    if b - a <= WILLNEED_STEP or not resident(address, (a, b - 1)):
+        willneed(fd, start + a, start + b)
 
-    def __init__(self, fd: int, start: int, address: int, slabs: list[tuple[int, int, int, int]]):
-        self.fd, self.start, self.address, self.slabs = fd, start, address, slabs
 
-    def fetch(self, n: int) -> None:
-        if n < len(self.slabs):
-            a, b = self.slabs[n][2:]
-            if b - a <= WILLNEED_STEP or not resident(self.address, (a, b - 1)):
-                willneed(self.fd, self.start + a, self.start + b)
+def _extent(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    return sum((s - 1) * st for s, st in zip(sizes, strides, strict=True)) + 1
 
 
 def _slabs(sizes: tuple[int, ...], strides: tuple[int, ...], offset: int) -> list[tuple[int, int, int, int]]:
     """The box cut along its first dim into pieces of about ``SLAB`` bytes of range: (first
     index, end index, first byte, end byte), bytes relative to the map."""
-    rest = sum((s - 1) * st for s, st in zip(sizes[1:], strides[1:], strict=True)) + 1
+    rest = _extent(sizes[1:], strides[1:])
     step = max(1, SLAB // max(strides[0], 1))
     out = []
     for i in range(0, sizes[0], step):
