@@ -60,7 +60,8 @@ def test_indices_below_one_change_in_32_elements_else_the_bitmask():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8])
 @pytest.mark.parametrize("columns", [(8, 48), (0, 64), (3, 43)])
-def test_changed_indices_by_words_equal_the_element_wise_compare(dtype, columns):
+def test_changed_indices_by_words_equal_the_element_wise_compare(dtype, columns, monkeypatch):
+    monkeypatch.setattr(_sparse, "WORDS_FROM", 0)  # these small pieces go by words too
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, 100, (96, 64), generator=g).to(dtype)
     now = base[:, columns[0]:columns[1]]
@@ -81,8 +82,11 @@ def test_changed_indices_by_words_equal_the_element_wise_compare(dtype, columns)
         assert got is not None and torch.equal(got, want), (got, want)
 
 
-def test_changed_indices_gives_way_when_too_many_words_differ():
-    now = torch.zeros(64, 64, dtype=torch.bfloat16)
+def test_changed_indices_gives_way_when_too_many_words_differ_or_the_piece_is_small(monkeypatch):
+    now = torch.zeros(512, 256, dtype=torch.bfloat16)
     last = now.clone()
+    now.view(-1)[:1] = 1
+    assert now.numel() >= _sparse.WORDS_FROM and torch.equal(_sparse.changed_indices(now, last), torch.tensor([0]))
     now.view(-1)[::4] = 1  # every word differs: indices would not be the smaller form
     assert _sparse.changed_indices(now, last) is None
+    assert _sparse.changed_indices(now[:8], last[:8]) is None  # 2 Ki elements: element-wise
