@@ -5,8 +5,9 @@ A kept plan with ``delta`` remembers, on each sender, a copy of every piece it l
 call the sender compares its pieces with those copies element by element (bit for bit: NaN
 counts as changed), and one all-reduce (MAX) of two lanes per piece tells every rank how
 many elements of each piece changed and whether a receiver needs the piece whole. A piece
-with no change does not move (its destinations keep what they hold); one whose bitmask
-and changed values (``_sparse``) are smaller than the piece travels as those, and each
+with no change does not move (its destinations keep what they hold); one whose changed
+elements' positions and values (``_sparse``) are smaller than the piece travels as those
+(the sender's copy then changes only at those positions, at commit), and each
 receiver writes the changed values into its destination; any other changed piece is
 broadcast whole, in the plan's order. Every rank derives the same choice and size from
 the all-reduced counts, so no rank waits on a broadcast of a size it did not expect.
