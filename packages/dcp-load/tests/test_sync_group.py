@@ -1,5 +1,6 @@
 """``transfer_group`` on its own (one process): the bound on reaching a group that never
-opens, and the wording of which ranks are which job's."""
+opens; and the wording of its messages (which ranks are which job's, the names a
+destination could come from)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,17 @@ def test_sides_text_speaks_of_one_rank_and_of_several():
 
     assert text((1, 2)) == "In transfer group 'k': rank 0 is the trainer's rank 0, ranks 1-2 the engine's ranks 0-1."
     assert text((2, 1)) == "In transfer group 'k': ranks 0-1 are the trainer's ranks 0-1, rank 2 the engine's rank 0."
+
+
+def test_a_dst_no_src_holds_is_named_with_the_src_names_not_a_checkpoint():
+    import torch
+    from dcp_load import transfer
+    from dcp_load._errors import LoadError
+
+    dst = {"ref.w": torch.full((2, 2), float("nan"))}
+    with pytest.raises(LoadError) as caught:
+        transfer({"policy.w": torch.ones(2, 2)}, dst)
+    message = str(caught.value)
+    assert "dst 'ref.w': no rank's src holds 'ref.w'" in message, message
+    assert "the ranks' src hold 1 key(s), for example 'policy.w'" in message and "checkpoint" not in message, message
+    assert torch.isnan(dst["ref.w"]).all()

@@ -213,7 +213,9 @@ def _composed(name: str, shape: tuple[int, ...], ranks: Sequence[int], source_ma
     missing = [n for n in leaves(source) if n not in held]
     if missing:
         via = "" if source == name else f" (sources= maps it to {source!r:.200})"
-        advice = missing_advice(missing, list(held)).replace("checkpoint keys", "src names")
+        # the advice speaks of a checkpoint; here the names are those the ranks' src hold
+        advice = (missing_advice(missing, list(held)).replace("checkpoint keys", "src names")
+                  .replace("the checkpoint holds", "the ranks' src hold"))
         plan.fail(ranks, f"dst {name!r}{via}: no rank's src holds {', '.join(repr(m) for m in missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}; pass it in src on the ranks that hold it"
                          f"{', or map it with sources=' if source == name else ''}"
