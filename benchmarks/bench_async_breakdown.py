@@ -17,9 +17,12 @@ to the next and between the same barriers on every rank:
   during the call (a staging copy into memory never touched before pays one per 4 KiB page:
   65,536 for 256 MiB).
 
-Printed per layout, slowest rank, medians over the rounds, with each time over ``flat``.
+Printed per layout, slowest rank, medians over the rounds, with each time over ``flat``,
+and the time the process's first ``async_save`` blocked (the first layout's: it takes the
+arena's pages for the first time). ``--numpy-arena`` stages into ``np.empty`` memory, which
+NumPy advises for transparent huge pages, as the pool did before it took ordinary pages.
 
-    python benchmarks/bench_async_breakdown.py [--size 1024] [--saves 9] [--world 4]
+    python benchmarks/bench_async_breakdown.py [--size 1024] [--saves 9] [--world 4] [--numpy-arena]
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ def _copies(sd: Any, path: str) -> dict[str, Any]:
 
     POOL.stage = capture  # the boxes of the first save: its layout's, the same every save
     try:
-        dcp_load.async_save(sd, checkpoint_id=path).result()
+        t0 = time.perf_counter()
+        future = dcp_load.async_save(sd, checkpoint_id=path)
+        first = time.perf_counter() - t0
+        future.result()
     finally:
         del POOL.stage
     boxes = [b for b in seen[-1].values() if isinstance(b, torch.Tensor) and b.numel()]
@@ -91,19 +97,24 @@ def _copies(sd: Any, path: str) -> dict[str, Any]:
         return {"call": call, "staging": report.staging_seconds,
                 "rest": report.blocked_seconds - report.staging_seconds, "faults": faults, "bytes": nbytes}
 
-    return {"flat": flat, "boxes": per_box, "pool": pool, "async_save": save}
+    return {"flat": flat, "boxes": per_box, "pool": pool, "async_save": save}, first
 
 
-def rank_main(rank: int, world: int, size: int, saves: int, root: str) -> dict[str, Any]:
+def rank_main(rank: int, world: int, size: int, saves: int, root: str, numpy_arena: bool) -> dict[str, Any]:
     import bench_save
+    import numpy as np
     import torch
     import torch.distributed as dist
+    from dcp_load.saving import _staging
 
     torch.set_num_threads(1)
+    if numpy_arena:
+        _staging._plain_buffer = lambda n: np.empty(n, dtype=np.uint8)
     out: dict[str, Any] = {}
     for layout in bench_save.layouts(world):
         sd = bench_save._state(layout, size)
-        runs = _copies(sd, os.path.join(root, layout))
+        runs, first = _copies(sd, os.path.join(root, layout))
+        out.setdefault("first", first)
         names = list(runs)
         rounds: list[dict[str, Any]] = []
         for i in range(-1, saves):  # -1: not counted
@@ -125,11 +136,13 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1024, help="MiB of fp32 state in all (default 1024)")
     ap.add_argument("--saves", type=int, default=9)
     ap.add_argument("--world", type=int, default=4, choices=(2, 4))
+    ap.add_argument("--numpy-arena", action="store_true", help="stage into np.empty memory (huge-page advised)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        per_rank = run_ranks(rank_main, args.world, args.size, args.saves, root, timeout=1800)
+        per_rank = run_ranks(rank_main, args.world, args.size, args.saves, root, args.numpy_arena, timeout=1800)
     print(f"bench_async_breakdown: {args.world} gloo ranks, {args.size} MiB, {args.saves} rounds; slowest rank, "
-          "medians (x flat)")
+          f"medians (x flat); {'np.empty' if args.numpy_arena else 'ordinary-page'} arena; the first async_save "
+          f"blocked {max(r['first'] for r in per_rank):.2f} s")
     for layout in bench_save.layouts(args.world):
         worst = {c: statistics.median(max(r[layout][i][c] for r in per_rank) for i in range(args.saves))
                  for c in COLUMNS}

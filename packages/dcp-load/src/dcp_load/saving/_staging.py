@@ -66,11 +66,9 @@ class StagingPool:
     def _host_buffer(self, nbytes: int, device_types: set[str], copies: Any = None) -> Any:
         """A host buffer of ``nbytes`` for copies from tensors on ``device_types``: pinned
         memory from the copy engine ``copies`` when there is one, else plain memory."""
-        import numpy as np
-
         del device_types  # the engine decides: one per device, or None for the plain path
         if copies is None:
-            return np.empty(nbytes, dtype=np.uint8)
+            return _plain_buffer(nbytes)
         pinned = copies.host_buffer(nbytes)
         self._pinned = (pinned, copies)
         return pinned.numpy()
@@ -148,6 +146,31 @@ class StagingPool:
         if last is not None:
             copies.wait_event(last)  # one stream: the last copy's event fires after all others
         return out
+
+
+def _plain_buffer(nbytes: int) -> Any:
+    """``nbytes`` of private anonymous memory of ordinary pages, as a uint8 array.
+
+    Not ``np.empty``: NumPy advises arrays of 4 MiB or more for transparent huge pages, and
+    with THP "madvise" the first save's copy then takes the arena huge page by huge page, a
+    cost that swung from fast to seconds here while ordinary pages cost about the same
+    every time. First touch and copy of 256 MiB, 5 launches each (2 shared cores, a VM,
+    other jobs running): huge pages 41-717 ms in one process, 45-1401 ms in each of 2,
+    817-3899 ms in each of 4; ordinary pages 159-251, 167-348 and 341-1381 ms. The first
+    ``async_save`` of 1 GiB (``bench_save``'s FSDP4 state, 4 ranks) blocked 4.3-9.6 s with
+    huge pages against 1.5-2.3 s, on 2 ranks 0.26-3.7 s against 0.43-2.4 s (huge pages
+    faster once), 3 launches each; copies into the warm arena took the same
+    time either way (min of 9: 29-32 against 24-32 ms in one process). The memory goes back
+    when the last view of it is dropped."""
+    import mmap
+
+    import numpy as np
+
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if not nbytes or private is None:  # no anonymous private maps here (Windows): NumPy's memory
+        return np.empty(nbytes, dtype=np.uint8)
+    # Private: a shared map would be shmem, and a forked child would write into this one.
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=private | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
 def _empty() -> Any:
