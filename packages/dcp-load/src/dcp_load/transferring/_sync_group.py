@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -264,10 +265,15 @@ def _reach(host: str, port: int, deadline: float, seconds: float, who: str, name
         try:
             if server is None:
                 attempt = max(min((deadline - time.monotonic()) / 2, CONNECT_TRY_S), 0.05)
+                # a plain connect first: refused at once while nothing listens, where torch's
+                # client would retry after a random back-off of up to about 1.5 s, past the bound
+                socket.create_connection((host, port), timeout=attempt).close()
                 server = dist.TCPStore(host, port, None, False, timedelta(seconds=attempt), wait_for_workers=False)
                 server.set_timeout(timedelta(seconds=seconds))
             opened = _open_group(server)
             last = "a store answered but has no transfer group open (an earlier group's, closing, or not a group's)"
+        except OSError:  # the plain connect: nothing listens yet
+            server, last = None, "nothing listens there"
         except Exception as exc:  # noqa: BLE001 - not up yet, or gone: try again until the bound
             server, last = None, f"{type(exc).__name__}: {str(exc)[:200]}"
         if opened is not None and opened.get("name") != name:
