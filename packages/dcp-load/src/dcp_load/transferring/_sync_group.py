@@ -81,8 +81,9 @@ class TransferGroup:
 
     ``side`` / ``side_rank``: this process's job and rank in it; ``world_sizes``: (trainer
     ranks, engine ranks); ``trainer_ranks`` / ``engine_ranks``: their ranks in this group.
-    ``dcp_group_key``: the group's name, alike on every member (dcp-load keys its kept
-    plans and call counts by it). ``close()`` shuts the group's backends down.
+    ``dcp_group_key``: the group's name with its nonce, alike on every member and new for
+    every group made (dcp-load keys its kept plans and call counts by it). ``close()`` shuts
+    the group down and releases its kept plans, store and (on trainer rank 0) port.
     """
 
     def __init__(self, store: Any, rank: int, size: int, *, side: str, side_rank: int,
@@ -398,7 +399,9 @@ def transfer_group(host: str, port: int, *, side: str, rank: int, world_sizes: S
     Jobs that disagree (world sizes, backend, dcp-load version) raise ``TransferGroupError``
     on every rank, naming the sides, ranks and values; a rank missing after ``timeout``
     (seconds or a ``timedelta``; also the group's collective timeout) is named the same way.
-    Pass the result as ``transfer(..., process_group=group)``.
+    Pass the result as ``transfer(..., process_group=group)``; ``close()`` it on every rank
+    after the last transfer, after which a group can be made again on the same port (a
+    side that restarted rejoins the other this way).
     """
     sizes = _check_arguments(side, rank, world_sizes, backend, name)
     seconds = _seconds(timeout)
