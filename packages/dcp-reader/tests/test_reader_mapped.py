@@ -184,14 +184,16 @@ def _cold_map(fd, path, base, count, run, stride):
     return fetched
 
 
-def test_a_cold_dense_box_fetches_only_the_pages_of_its_range(cold_fd):
-    # 2,048 runs of 1 KiB, 2 KiB apart (a row-parallel half of a float32 (2048, 512) weight)
-    # in the middle of the file: its 4 MiB range, not the kernel's read-ahead around it
+@pytest.mark.parametrize("rows", [2048, 6144])
+def test_a_cold_dense_box_fetches_only_the_pages_of_its_range(cold_fd, rows):
+    # runs of 1 KiB, 2 KiB apart (a row-parallel half of a float32 (rows, 512) weight) in
+    # the middle of the file: their 4 MiB range (12 MiB: two slabs), not the kernel's
+    # read-ahead around it
     fd, path = cold_fd
     page = mmap.PAGESIZE
     base = 12 * 2**20 + 3 * page
-    fetched = _cold_map(fd, path, base, 2048, 1024, 2048)
-    span = (2047 * 2048 + 1024 + page - 1) // page * page
+    fetched = _cold_map(fd, path, base, rows, 1024, 2048)
+    span = ((rows - 1) * 2048 + 1024 + page - 1) // page * page
     assert span <= fetched <= span + page, f"fetched {fetched} bytes for a {span}-byte range"
 
 
