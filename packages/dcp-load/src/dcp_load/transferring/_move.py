@@ -42,13 +42,12 @@ class MoveStats:
 
 class Pending:
     """The writes into this rank's destinations that a delta call holds back until every rank
-    agreed that it succeeded (module docstring): ``apply`` makes them, then runs ``then``
-    (the senders' record of what they sent). Local only: nothing in it waits for a peer."""
+    agreed that it succeeded (module docstring): ``apply`` makes them. Local only: nothing in
+    it waits for a peer."""
 
     def __init__(self, platform: Any):
         self.platform = platform
         self.writes: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self.then: list[Callable[[], None]] = []
 
     def copy(self, target: Target, into: Any, source: Any) -> None:
         self.writes.append((target.adapter.copy, (into, source)))
@@ -61,8 +60,6 @@ class Pending:
             write(*args)
         self.platform.synchronize()
         self.writes = []
-        for then in self.then:
-            then()
 
 
 def mine(plan: TransferPlan, rank: int, subgroups: bool) -> list[list[TransferPiece]]:
