@@ -126,13 +126,16 @@ def delta_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple
             out["seconds"] = time.monotonic() - start
         out[f"matches{step}"] = _matches(tensors, full(1), rank) if side == "engine" else []
     _linger(group, side, rank, 3 if how == "exit" else 4)
+    start = time.monotonic()
+    group.close(timeout=5)  # after a failed call (a dead peer only makes the host wait the 5 s)
+    out["close_seconds"] = time.monotonic() - start
     sizes3 = sizes if how == "raise" else (1, sizes[1])
     group3 = join(side, rank, port2, sizes3)
     src = ({n: distribute_tensor(v, mesh, [Shard(0)]) for n, v in full(3).items()} if how == "raise"
            else full(3)) if side == "trainer" else {}
     out["step3"] = _report(dcp_load.transfer(src, shards, process_group=group3, delta=True, timeout=60))
     out["matches3"] = _matches(tensors, full(3), rank) if side == "engine" else []
-    group3.close()  # the failed group is left as it is: a collective of it may stay unfinished
+    group3.close()
     return out
 
 
@@ -160,6 +163,7 @@ def full_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple[
             out[f"error{step}"] = str(exc)
     out["plans_kept"] = len(_kept._PLANS.get(group_key(group), []))
     _linger(group, side, rank, 4)
+    group.close(timeout=5)
     group3 = join(side, rank, port2, sizes)
     src = {n: distribute_tensor(v, mesh, [Shard(0)]) for n, v in full(3).items()} if side == "trainer" else {}
     if side == "engine":
@@ -167,5 +171,5 @@ def full_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple[
             poison(t)
     out["step3"] = _report(dcp_load.transfer(src, shards, process_group=group3, delta=True, timeout=60))
     out["matches3"] = _matches(tensors, full(3), rank) if side == "engine" else []
-    group3.close()  # the failed group is left as it is: a collective of it may stay unfinished
+    group3.close()
     return out

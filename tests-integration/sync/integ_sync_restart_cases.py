@@ -143,8 +143,13 @@ def owner_dies(rank: int, world: int, side: str, port: int) -> dict[str, Any]:
     """Trainer rank 0, which serves the store, exits right after joining; the engine then
     calls transfer."""
     group = join(side, rank, port)
-    if side == "trainer":
+    store = group.get_group_store()
+    if side == "trainer":  # leaves once the engine has joined too (its join reads the store to the end)
+        deadline = time.monotonic() + TIMEOUT_S
+        while store.add("owner-test/engine-joined", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         os._exit(0)
+    store.add("owner-test/engine-joined", 1)
     _until_refused(port)
     got, seconds = send(side, group, 1, 0)
     return {"got": got, "seconds": seconds}

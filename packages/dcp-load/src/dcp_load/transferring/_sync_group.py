@@ -60,6 +60,9 @@ LINGER_S = 10.0
 #: The server key under which trainer rank 0 publishes the open group: ``{"name", "nonce"}``.
 OPEN_KEY = "dcp-sync/open"
 
+#: The key each rank adds 1 to as it closes the group (``TransferGroup._closing``).
+CLOSING_KEY = "dcp-sync/closing"
+
 #: The longest single attempt to reach the server; attempts repeat until the bound (torch's
 #: client may take twice its timeout to give up, so a short attempt keeps the bound).
 CONNECT_TRY_S = 1.0
@@ -169,11 +172,7 @@ class TransferGroup:
         if self._hosted is not None:  # before the wait: a rank that rejoins at once finds no open group
             with contextlib.suppress(dist.DistError):
                 self._hosted.delete_key(OPEN_KEY)
-        try:
-            work = self._backends[0].allreduce([torch.zeros(1)])
-            work.wait(timedelta(seconds=timeout))
-        except RuntimeError:  # a peer that died or left: shut down all the same
-            pass
+        self._closing(timeout)
         for backend in self._backends:
             backend.shutdown()
         self._backends.clear()
@@ -181,6 +180,19 @@ class TransferGroup:
 
         forget_group(self.dcp_group_key)
         self._store = self._hosted = None  # the server (and its port) goes with the last reference
+
+    def _closing(self, timeout: float) -> None:
+        """Each rank counts itself in the store; trainer rank 0 (its server) waits until every
+        rank did, at most ``timeout`` seconds. Through the store and not a collective: after a
+        failed transfer the backends' queues hold broadcasts that never finish, and a
+        collective queued behind them (and its work object, whose release waits for it) stays
+        until the backend's own timeout (60 s measured after a trainer rank raised mid-delta)."""
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(dist.DistError):  # the server gone: nobody left to wait for
+            count = self._store.add(CLOSING_KEY, 1)
+            while self._hosted is not None and count < self._size and time.monotonic() < deadline:
+                time.sleep(0.01)
+                count = self._store.add(CLOSING_KEY, 0)
 
     def __repr__(self) -> str:
         return (f"TransferGroup({self.dcp_group_key!r}, {self.side} rank {self.side_rank}, rank {self.rank()} "
