@@ -14,7 +14,8 @@ the all-reduced counts, so no rank waits on a broadcast of a size it did not exp
 
 The whole piece travels when: the plan is new (the first call of a plan sends everything;
 a changed layout or a new receiver is a new plan), a receiver's destination tensors are not
-the ones the previous call filled (they do not hold the previous values), a receiver's
+the ones the previous call filled or another transfer wrote them since (``written``: they do
+not hold the previous values), a receiver's
 destination cannot be written through a view (not a torch tensor, or a box that takes a
 broadcast only whole), or the piece travels as float8 (FP8 blockwise destinations: a
 changed scale changes the whole block, so these are kept simple and go dense). Local
@@ -50,7 +51,26 @@ from ._sparse import (
     sparse_nbytes,
 )
 
-__all__ = ["Delta"]
+__all__ = ["Delta", "written"]
+
+#: The last transfer that wrote each destination tensor of this process (a ``pointers``
+#: entry -> the ``Delta`` whose commit wrote it, or ``_OTHER``): a delta plan's receiver asks
+#: for every piece whole when another transfer (another kept plan into the same tensors, a
+#: ``delta=False`` refresh, a call that failed writing in place) wrote them since its last
+#: commit, since they no longer hold its previous step. Cleared past ``_WRITERS_MAX`` entries
+#: (a cleared entry only makes the next delta call send everything).
+_WRITTEN_BY: dict[Any, Any] = {}
+_OTHER = object()
+_WRITERS_MAX = 1 << 16
+
+
+def written(where: tuple[Any, ...], by: Any = _OTHER) -> None:
+    """Record that ``by`` (a ``Delta`` at its commit; any other transfer: ``_OTHER``, before it
+    writes) wrote the destination tensors at ``where``."""
+    if len(_WRITTEN_BY) + len(where) > _WRITERS_MAX:
+        _WRITTEN_BY.clear()
+    for ptr in where:
+        _WRITTEN_BY[ptr] = by
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -107,7 +127,7 @@ class Delta:
         if not count or sparse_nbytes(numel, count, p.wire) >= p.nbytes:
             return count
         if by_index(numel, count):
-            self._pack(i, p, view, mask.view(-1).nonzero().squeeze(1))
+            self._pack(i, p, view, mask.reshape(-1).nonzero().squeeze(1))  # the mask has the view's strides
         else:
             self.payloads[i] = pack(mask, view[mask].to(self.dtype(p.wire)))
         return count
@@ -124,7 +144,8 @@ class Delta:
         destinations are new asks for all), then per piece whether a receiver needs it whole."""
         n = len(plan.pieces)
         lanes = [0] * (2 * n)
-        moved = self.where is not None and pointers(dst) != self.where
+        where = pointers(dst)
+        moved = self.where is not None and (where != self.where or any(_WRITTEN_BY.get(p) is not self for p in where))
         self.payloads, self.updates = {}, {}
         for i, p in enumerate(plan.pieces):
             if len(p.ranks) == 1:
@@ -185,14 +206,17 @@ class Delta:
     def sent_now(self, plan: TransferPlan, src: Mapping[str, Target]) -> None:
         """Remember what this rank sent in this call, once every rank agreed it succeeded
         (before, a failed call would leave the copies ahead of the destinations)."""
+        import torch
+
         self.where = self.filling
+        written(self.where, self)
         for i in self.moving:
             p = plan.pieces[i]
             if p.holder != self.rank or len(p.ranks) == 1:
                 continue
             view, kept, update = _view(src[p.src], p), self.sent.get(i), self.updates.get(i)
-            if kept is None:
-                self.sent[i] = view.clone()
+            if kept is None:  # row-major, whatever the source's strides (``put_`` and ``take`` index row-major)
+                self.sent[i] = view.clone(memory_format=torch.contiguous_format)
             elif update is not None:
                 kept.put_(*update)  # only the changed elements (the kept copy is contiguous)
             else:

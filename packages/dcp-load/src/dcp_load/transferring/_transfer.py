@@ -33,7 +33,7 @@ from ..run._coordinate import (
     unusable_cause,
 )
 from ..run._validate import exchange
-from ._delta import Delta
+from ._delta import Delta, written
 from ._fp8 import plan_layouts
 from ._kept import agree, forget, group_object, keep
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
@@ -277,6 +277,8 @@ def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str,
     try:
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
+        if entry.delta is None or not entry.delta.committed:  # written in place: other delta plans see it
+            written(pointers(dst))
         if entry.delta is None:
             return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
                         groups=entry.groups, watch=coord.waiter), None
