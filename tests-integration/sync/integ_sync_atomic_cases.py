@@ -12,7 +12,6 @@ Engine rank r holds columns [32r, 32r + 32) of each bf16 tensor; trainer rank h 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,9 +20,10 @@ import dcp_load
 import torch
 from dcp_platform import group_key
 from group_guards import poison
-from integ_sync_cases import join, truth
+from integ_sync_cases import join, linger, truth
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from transfer_faults import failing_sparse_round
 
 SHAPES = {"a": (128, 64), "b": (128, 64), "c": (128, 64)}
 #: Step 2's changes: "a" mostly (it goes whole, in the dense rounds), "b" a little (bitmask
@@ -47,24 +47,6 @@ def _engine(rank: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     for t in tensors.values():
         poison(t)
     return dcp_load.engine_shards({n: (t, (0, rank * t.shape[1])) for n, t in tensors.items()}, SHAPES), tensors
-
-
-@contextlib.contextmanager
-def _fail_in_sparse_round(how: str) -> Iterator[None]:
-    """Inside, this rank fails as its sparse round starts: the dense rounds of the call (the
-    pieces of "a") have been broadcast, and the engines received them."""
-    from dcp_load.transferring import _sparse
-
-    def run(*args: Any, **kwargs: Any) -> None:
-        if how == "exit":
-            os._exit(3)
-        raise RuntimeError("injected: trainer rank 1 fails after the dense pieces were broadcast")
-
-    saved, _sparse.SparseRound.run = _sparse.SparseRound.run, run
-    try:
-        yield
-    finally:
-        _sparse.SparseRound.run = saved
 
 
 @contextlib.contextmanager
@@ -92,16 +74,6 @@ def _report(report: Any) -> dict[str, Any]:
     return {"received": report.bytes_received, "kept": report.bytes_kept, "reused": report.plan_reused}
 
 
-def _linger(group: Any, side: str, rank: int, survivors: int) -> None:
-    """Trainer rank 0 (the store's host) waits until every surviving rank has its result."""
-    store = group.get_group_store()
-    done = store.add("atomic-reported", 1)
-    deadline = time.monotonic() + 30
-    while side == "trainer" and rank == 0 and done < survivors and time.monotonic() < deadline:
-        time.sleep(0.05)
-        done = store.add("atomic-reported", 0)
-
-
 def delta_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple[int, int], port2: int,
                        how: str) -> dict[str, Any]:
     """Step 1 (delta=True: the first call, all), step 2 (delta=True) in which trainer rank 1
@@ -118,14 +90,14 @@ def delta_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple
         fails = step == 2 and side == "trainer" and rank == 1
         start = time.monotonic()
         try:
-            with _fail_in_sparse_round(how) if fails else contextlib.nullcontext():
+            with failing_sparse_round(how, "trainer rank 1 fails after the dense pieces were broadcast") if fails else contextlib.nullcontext():
                 out[f"step{step}"] = _report(dcp_load.transfer(src, shards, process_group=group, delta=True,
                                                                timeout=10))
         except dcp_load.LoadError as exc:
             out[f"error{step}"] = str(exc)
             out["seconds"] = time.monotonic() - start
         out[f"matches{step}"] = _matches(tensors, full(1), rank) if side == "engine" else []
-    _linger(group, side, rank, 3 if how == "exit" else 4)
+    linger(group, side, rank, 3 if how == "exit" else 4)
     start = time.monotonic()
     group.close(timeout=5)  # after a failed call (a dead peer only makes the host wait the 5 s)
     out["close_seconds"] = time.monotonic() - start
@@ -162,7 +134,7 @@ def full_fails_midway(rank: int, world: int, side: str, port: int, sizes: tuple[
         except dcp_load.LoadError as exc:
             out[f"error{step}"] = str(exc)
     out["plans_kept"] = len(_kept._PLANS.get(group_key(group), []))
-    _linger(group, side, rank, 4)
+    linger(group, side, rank, 4)
     group.close(timeout=5)
     group3 = join(side, rank, port2, sizes)
     src = {n: distribute_tensor(v, mesh, [Shard(0)]) for n, v in full(3).items()} if side == "trainer" else {}

@@ -10,7 +10,6 @@ and a transfer over a new process group gives step 3 exactly.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import dcp_load
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from transfer_faults import failing_sparse_round
 
 SHAPE = (128, 64)
 #: Step k's changes: "a" mostly (whole, in the dense round: local copy and broadcast), "b"
@@ -35,20 +35,6 @@ def full(step: int) -> dict[str, torch.Tensor]:
     return now
 
 
-@contextlib.contextmanager
-def _fail_in_sparse_round() -> Iterator[None]:
-    from dcp_load.transferring import _sparse
-
-    def run(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("injected: rank 1 fails after the dense pieces moved")
-
-    saved, _sparse.SparseRound.run = _sparse.SparseRound.run, run
-    try:
-        yield
-    finally:
-        _sparse.SparseRound.run = saved
-
-
 def _src(mesh: Any, step: int, rank: int) -> dict[str, Any]:
     # from local shards: no collective (the default group is not used after the failure)
     return {n: DTensor.from_local(v.chunk(2)[rank].clone(), mesh, [Shard(0)], run_check=False)
@@ -64,7 +50,7 @@ def colocated_delta_fails(rank: int, world: int) -> dict[str, Any]:
     for step in (1, 2):
         src = _src(mesh, step, rank)
         try:
-            with _fail_in_sparse_round() if step == 2 and rank == 1 else contextlib.nullcontext():
+            with failing_sparse_round("raise", "rank 1 fails after the dense pieces moved") if step == 2 and rank == 1 else contextlib.nullcontext():
                 report = dcp_load.transfer(src, dst, delta=True, timeout=10)
             out[f"step{step}"] = {"copied": report.bytes_copied, "received": report.bytes_received}
         except dcp_load.LoadError as exc:

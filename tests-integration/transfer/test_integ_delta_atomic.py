@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dcp_platform.testing import run_ranks
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_delta_atomic_cases as cases  # noqa: E402
 
