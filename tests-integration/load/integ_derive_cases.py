@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +21,11 @@ MANY = 96
 
 class Counter:
     """Counts the bytes this rank sends through torch.distributed's object, gather and
-    reduce collectives while installed (``with Counter() as c``). A bounded object gather
-    (``dcp_platform.Watch.gather``) runs as two tensor all-gathers: their bytes count."""
+    reduce collectives while installed (``with Counter() as c``), and the int64 lanes it
+    sends through a store reduction (``dcp_platform.Watch.start_reduce``, ``"store_reduce"``,
+    counted as 8 bytes each, as the all-reduce it replaces). A
+    bounded object gather (``dcp_platform.Watch.gather``) runs as two tensor all-gathers:
+    their bytes count."""
 
     def __enter__(self) -> Counter:
         import torch.distributed as dist
@@ -57,6 +61,12 @@ class Counter:
 
             def __getattr__(self, name: str) -> Any:  # the watch's traffic passes uncounted
                 return getattr(self.inner, name)
+
+            def set(self, key: str, value: Any) -> None:
+                if re.search(r"/r/\d+/\d+$", key):  # a rank's lanes in a store reduction
+                    counter.sent += 8 * len(bytes(value).split(b","))
+                    counter.calls.append("store_reduce")
+                return self.inner.set(key, value)
 
             def add(self, key: str, value: int) -> int:
                 if key.startswith("dcp_load/"):

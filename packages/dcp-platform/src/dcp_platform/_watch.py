@@ -59,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._base import Handle, Platform
+from ._store_reduce import STORE_REDUCE_MAX, StoreReduction
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_THREAD", "STALE_S", "PeerFailure", "Watch"]
 
@@ -122,6 +123,7 @@ class Watch:
         self._open = False  # entered, with a store: the heartbeat thread beats it
         self._successor = (-1, 0.0)  # its heartbeat's last value, and when that value changed
         self._cleanup: list[str] = []  # barrier keys this rank removes on success
+        self._reductions = 0  # store reductions made so far (``start_reduce``)
 
     @property
     def store(self) -> Any:
@@ -333,6 +335,23 @@ class Watch:
         if self._store is None:
             return self.platform.all_gather_object(obj)
         return self.platform.all_gather_object(obj, waiter=self.wait)
+
+    def start_reduce(self, lanes: Sequence[int], op: str) -> StoreReduction | None:
+        """A SUM or MAX of int64 ``lanes`` over every rank through the store
+        (``_store_reduce``), begun; None when this watch has no store or its world is
+        larger than ``STORE_REDUCE_MAX`` (then the caller all-reduces on the process group).
+        Every rank makes the operation's reductions in the same order; ``reduced`` waits."""
+        if self._store is None or self.world > STORE_REDUCE_MAX:
+            return None
+        self._reductions += 1
+        return StoreReduction(self._store, self._key("r", self._reductions), self.rank, self.world, lanes, op,
+                              first_pause(self.world))
+
+    def reduced(self, reduction: StoreReduction, *, phases: int = 1) -> list[int]:
+        """``reduction``'s result, bounded like ``wait``: ``PeerFailure`` once a failure is
+        published or the wait lasted ``phases * stall_s``. No collective is left pending in
+        the process group when it raises."""
+        return reduction.result(self.check, lambda start: self._check_stall(start, "a reduction", phases))
 
     def barrier(self, key: str, ranks: Sequence[int]) -> None:
         """Store barrier among ``ranks`` (a subset of the world, each calling it with the same

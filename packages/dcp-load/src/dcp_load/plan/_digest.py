@@ -154,14 +154,20 @@ class Reduction:
     """An ``all_reduce`` in flight (``start_all_reduce``): ``ready()`` says, without waiting,
     whether it completed; ``result()`` waits for it (bounded by the watch) and returns it."""
 
-    def __init__(self, work: Any, tensor: Any, watch: Any, done: list[int] | None = None, phases: int = 1):
+    def __init__(self, work: Any, tensor: Any, watch: Any, done: list[int] | None = None, phases: int = 1,
+                 stored: Any = None):
         self._work, self._t, self._watch, self._done, self._phases = work, tensor, watch, done, phases
+        self._stored = stored  # a dcp_platform store reduction, when the watch made one
 
     def ready(self) -> bool:
+        if self._stored is not None:
+            return self._done is not None or self._stored.ready()
         return self._done is not None or bool(self._work.is_completed())
 
     def result(self) -> list[int]:
-        if self._done is None:
+        if self._done is None and self._stored is not None:
+            self._done = self._watch.reduced(self._stored, phases=self._phases)
+        elif self._done is None:
             if self._watch is not None:
                 self._watch.wait(self._work, phases=self._phases)
             else:
@@ -172,9 +178,17 @@ class Reduction:
 
 def start_all_reduce(platform: Any, lanes: Sequence[int], op: str, watch: Any = None, phases: int = 1) -> Reduction:
     """``all_reduce`` begun: the caller works meanwhile, then calls ``result()`` (on failure
-    too: the collective is in flight on every rank). On torch the reduction runs on the
-    process group's own thread; other platforms gather here, before returning. ``phases``:
-    the steps of local work the others may still make before joining (``Watch.wait``)."""
+    too: the reduction is in flight on every rank). With a watch over this platform's ranks
+    and a store, small worlds reduce through the store (``Watch.start_reduce``: a few store
+    requests per rank, where a gloo ring on busy cores took milliseconds); else on torch the
+    reduction runs on the process group's own thread, and other platforms gather here,
+    before returning. ``phases``: the steps of local work the others may still make before
+    joining (``Watch.wait``)."""
+    start = getattr(watch, "start_reduce", None)
+    if start is not None and watch.world == platform.world_size() and watch.rank == platform.rank():
+        stored = start(list(lanes), op)
+        if stored is not None:
+            return Reduction(None, None, watch, phases=phases, stored=stored)
     if _torch(platform):
         import torch
 
