@@ -120,8 +120,12 @@ class WriterLock:
             return
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started, **self.note, **extra}
         raw = json.dumps(record, default=str).encode()
-        os.ftruncate(self._fd, 0)
+        # Written over the old record, then cut to its length: truncating to 0 first took
+        # 0.2-4 ms on rank 0's blocked path while the last save's files were written back
+        # (ext4, 4 gloo ranks on 2 cores); writing over it took microseconds.
         os.pwrite(self._fd, raw, 0)
+        if os.fstat(self._fd).st_size > len(raw):
+            os.ftruncate(self._fd, len(raw))
 
     def committed(self) -> None:
         """Record this writer as the last one that committed (what the next writer's
