@@ -35,17 +35,25 @@ def values_cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"store": [], "gloo": []}
     with Watch(p, "t/values", **FAST) as w:
         w.arrive(30.0)
-        for n, op in ((1, "sum"), (40, "sum"), (7, "max"), (3, "sum")):
+        near = (1 << 63) - 2
+        for n, op in ((1, "sum"), (40, "sum"), (7, "max"), (3, "sum"), (2, "sum")):
             if rank == 1:
                 time.sleep(0.05)  # others wait in the polls
             lanes = _lanes(rank, n) if op == "sum" else [v * (rank - 1) for v in _lanes(rank, n)]
+            if n == 2:  # sums past int64 wrap around as gloo's do
+                lanes = [near, -near]
             reduction = w.start_reduce(lanes, op)
             out["store"].append(w.reduced(reduction))
             t = torch.tensor(lanes, dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
             out["gloo"].append(t.tolist())
         dist.barrier()
-        out["left"] = [k for k in (f"t/values/r/{i}/{part}" for i in range(1, 5)
+        try:
+            w.start_reduce([1 << 63], "sum")
+            out["past_int64"] = None
+        except ValueError as exc:
+            out["past_int64"] = str(exc)
+        out["left"] = [k for k in (f"t/values/r/{i}/{part}" for i in range(1, 6)
                                    for part in ("in", "out", "read", *range(world))) if store.check([k])]
     return out
 
@@ -86,12 +94,14 @@ def failure_cases(rank: int, world: int) -> dict[str, Any]:
 
 
 def large_world_case(rank: int, world: int) -> dict[str, Any]:
-    """With ``STORE_REDUCE_MAX`` below the world, ``start_reduce`` declines (None)."""
+    """More lanes than ``STORE_LANES_MAX``, or with ``STORE_REDUCE_MAX`` below the world:
+    ``start_reduce`` declines (None)."""
     import dcp_platform._watch as watch_module
 
-    watch_module.STORE_REDUCE_MAX = world - 1
     with Watch(get_platform("torch"), "t/large", **FAST) as w:
         w.arrive(30.0)
-        declined = w.start_reduce([1], "sum") is None
+        many = w.start_reduce([1] * (watch_module.STORE_LANES_MAX + 1), "sum") is None
+        watch_module.STORE_REDUCE_MAX = world - 1
+        declined = many and w.start_reduce([1], "sum") is None
         dist.barrier()  # a watch closes once every rank passed its last exchange (its arrival here)
         return {"declined": declined}

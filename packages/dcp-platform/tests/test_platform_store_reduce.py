@@ -1,8 +1,10 @@
 """Watch.start_reduce / reduced on 3 real gloo ranks: sums and maxima equal gloo's all-reduce
-of the same lanes (negatives, values past 2**40, 1 to 40 lanes) and leave no key behind; a
+of the same lanes (negatives, values past 2**40, sums that wrap around int64, 1 to 40 lanes)
+and leave no key behind (a lane outside int64 is refused); a
 failure published elsewhere and a rank that stays away (``stall_s``) end the wait, with no
 collective left pending; ranks that reduce different numbers of lanes fail together; a world
-above ``STORE_REDUCE_MAX`` is declined (the caller all-reduces on the process group)."""
+above ``STORE_REDUCE_MAX`` and more lanes than ``STORE_LANES_MAX`` are declined (the caller
+all-reduces on the process group)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ WORLD = 3
 
 def test_reductions_equal_gloo_and_leave_no_keys():
     for r in run_ranks(cases.values_cases, WORLD, timeout=120, pg_timeout=600):
-        assert r["store"] == r["gloo"] and len(r["store"]) == 4
+        assert r["store"] == r["gloo"] and len(r["store"]) == 5
+        assert r["store"][-1] == [3 * ((1 << 63) - 2) - (1 << 64), -3 * ((1 << 63) - 2) + (1 << 64)]
+        assert "lane 0 is 9223372036854775808, outside int64" in r["past_int64"]
         assert r["left"] == []
 
 

@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._base import Handle, Platform
-from ._store_reduce import STORE_REDUCE_MAX, StoreReduction
+from ._store_reduce import STORE_LANES_MAX, STORE_REDUCE_MAX, StoreReduction
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_THREAD", "STALE_S", "PeerFailure", "Watch"]
 
@@ -338,14 +338,17 @@ class Watch:
 
     def start_reduce(self, lanes: Sequence[int], op: str) -> StoreReduction | None:
         """A SUM or MAX of int64 ``lanes`` over every rank through the store
-        (``_store_reduce``), begun; None when this watch has no store or its world is
-        larger than ``STORE_REDUCE_MAX`` (then the caller all-reduces on the process group).
-        Every rank makes the operation's reductions in the same order; ``reduced`` waits."""
-        if self._store is None or self.world > STORE_REDUCE_MAX:
+        (``_store_reduce``), begun; None when this watch has no store, its world is larger
+        than ``STORE_REDUCE_MAX`` or the lanes more than ``STORE_LANES_MAX`` (then the caller
+        all-reduces on the process group). A sum wraps around as an int64 all-reduce's does; a
+        lane outside int64 is a ValueError. Every rank makes the operation's reductions in the
+        same order, with the same number of lanes; ``reduced`` waits."""
+        if self._store is None or self.world > STORE_REDUCE_MAX or len(lanes) > STORE_LANES_MAX:
             return None
-        self._reductions += 1
-        return StoreReduction(self._store, self._key("r", self._reductions), self.rank, self.world, lanes, op,
-                              first_pause(self.world))
+        reduction = StoreReduction(self._store, self._key("r", self._reductions + 1), self.rank, self.world,
+                                   lanes, op, first_pause(self.world))
+        self._reductions += 1  # not for lanes refused before anything was sent
+        return reduction
 
     def reduced(self, reduction: StoreReduction, *, phases: int = 1) -> list[int]:
         """``reduction``'s result, bounded like ``wait``: ``PeerFailure`` once a failure is
