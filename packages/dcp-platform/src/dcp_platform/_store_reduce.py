@@ -2,8 +2,8 @@
 
 A gloo all-reduce of a few int64 lanes is a ring of ``2 (world - 1)`` steps, each a wake-up
 of another process's gloo threads. On the 2-core development machine (4 gloo ranks, medians
-of 100, ``benchmarks/bench_control.py``) an all-reduce of 40 lanes took 5.0 ms, of 4 lanes
-2.8 ms, of 1 lane 0.7 ms; on 2 ranks 0.5-0.9 ms. Through the store each rank makes a few
+of 60, slowest rank, ``benchmarks/bench_control.py``) an all-reduce of 40 lanes took 7.6 ms,
+of 4 lanes 3.9 ms, of 1 lane 1.0 ms; on 2 ranks 0.5-0.7 ms. Through the store each rank makes a few
 requests to one server instead: it writes its lanes under its own key and counts itself in;
 the last to count in reads every rank's lanes (one ``multi_get``), reduces them and writes
 the result; the others poll for it. What each rank sends stays a few bytes; the last rank
@@ -31,8 +31,10 @@ __all__ = ["POLL_CAP_PER_RANK_S", "STORE_LANES_MAX", "STORE_REDUCE_MAX", "StoreR
 
 #: Worlds up to this size reduce through the store (``Watch.start_reduce``). The last rank's
 #: ``multi_get`` and the ``6 * world`` requests of a reduction grow with the world, the gloo
-#: ring's steps too; measured on the 2-core machine (``benchmarks/bench_control.py``): the
-#: store took 0.12-0.25 ms on 2-8 ranks where gloo took 0.5-10 ms.
+#: ring's steps too; measured on the 2-core machine (``benchmarks/bench_control.py``, 40
+#: lanes, slowest rank): the store took 0.50 / 1.3 / 3.0 / 6.4 ms on 2 / 4 / 8 / 16 ranks
+#: where gloo took 0.71 / 7.6 / 20 / 48 ms: the gain grew with the world. 32 ranks were not
+#: measured here; at 32 the last rank reads 32 short values and the polls stay ~4,000 a second.
 STORE_REDUCE_MAX = 32
 #: Reductions of more lanes all-reduce on the process group: the lanes travel as text and
 #: the last rank folds them in Python, so the store's cost grows with them where gloo's
