@@ -7,24 +7,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dcp_platform import PeerFailure, Watch, get_platform
-
-FAST = {"heartbeat_s": 0.2, "stale_s": 1.0}
+from dcp_platform import Watch, get_platform
+from platform_watch_cases import FAST
+from platform_watch_cases import _timed as _outcome
 
 
 def _lanes(rank: int, n: int) -> list[int]:
     """Lanes that differ per rank: negatives, values past 2**40, zeros."""
     return [(rank + 1) * (k + 1) * (-1) ** k + (k % 3) * (1 << 41) * rank for k in range(n)]
-
-
-def _outcome(fn: Any) -> dict[str, Any]:
-    start = time.monotonic()
-    try:
-        return {"value": fn(), "error": None, "seconds": time.monotonic() - start}
-    except PeerFailure as exc:
-        return {"value": None, "error": exc.failures, "seconds": time.monotonic() - start}
-    except RuntimeError as exc:
-        return {"value": None, "error": str(exc), "seconds": time.monotonic() - start}
 
 
 def values_cases(rank: int, world: int) -> dict[str, Any]:
