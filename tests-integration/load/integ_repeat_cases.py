@@ -94,14 +94,25 @@ def memory() -> tuple[int, int]:
     return _kib("VmRSS") * 1024, _kib("RssAnon") * 1024
 
 
+def trimmed_anon() -> int:
+    """RssAnon in bytes after glibc's ``malloc_trim(0)``: the memory the process still holds,
+    free pages kept by the allocator given back (what a leak keeps and a trim cannot)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _kib("RssAnon") * 1024
+
+
 def repeated(rank: int, world: int, paths: dict[str, str], modes: list[Any], rounds: int) -> dict[str, Any]:
     """A warm-up round, then ``rounds`` rounds; a round loads each of ``paths`` (format ->
-    checkpoint) in each of ``modes`` once. Memory after the warm-up and after each round."""
+    checkpoint) in each of ``modes`` once. Memory after the warm-up and after each round, and
+    (``held``) after a trim made after the warm-up and after the last round only, so that the
+    rounds between run under dcp's own trimming alone."""
     import dcp_load
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    rss, anon, wrong = [], [], []
+    rss, anon, held, wrong = [], [], [], []
     for r in range(1 + rounds):
         for fmt, path in paths.items():
             for mode in modes:
@@ -112,4 +123,6 @@ def repeated(rank: int, world: int, paths: dict[str, str], modes: list[Any], rou
         now = memory()
         rss.append(now[0])
         anon.append(now[1])
-    return {"rss": rss, "anon": anon, "wrong": wrong}
+        if r in (0, rounds):
+            held.append(trimmed_anon())
+    return {"rss": rss, "anon": anon, "held": held, "wrong": wrong}
