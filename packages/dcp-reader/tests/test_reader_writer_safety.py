@@ -135,6 +135,34 @@ def test_the_lock_refuses_a_second_holder_and_records_the_last_commit(tmp_path):
     third.release()
 
 
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(1, 400), old_who=st.text("ab", min_size=1, max_size=40),
+       new_who=st.text("ab", min_size=1, max_size=40))
+def test_a_record_rewritten_half_way_reads_as_no_record(old_who, new_who, cut):
+    # A reader between the two steps of a rewrite (the new record written over the old one,
+    # not yet cut to its length) sees the start of the new over the rest of the old: even
+    # where that is valid JSON naming a holder nobody wrote, it reads no record.
+    from dcp_reader.write._save_lock import _encode, _read_record
+
+    old, new = _encode({"who": old_who, "n": 1}), _encode({"who": new_who, "n": 2})
+    torn = new[:cut] + old[cut:]
+    with tempfile.TemporaryFile() as f:
+        f.write(torn)
+        f.flush()
+        got = _read_record(f.fileno())
+    if torn == old or torn[:len(new)] == new and len(torn) == len(new):
+        assert got is not None
+    else:
+        assert got is None, (torn, got)
+
+
+def test_a_record_of_an_earlier_version_still_reads(tmp_path):
+    (tmp_path / ".dcp-save.lock").write_bytes(b'{"pid": 7, "last_commit": {"who": "old"}}')
+    w = NativeWriter(tmp_path).lock()
+    assert w.previous == {"who": "old"}
+    w.release()
+
+
 def test_commit_makes_a_new_checkpoint_directory_durable(tmp_path, monkeypatch):
     # the entry of a directory the save created lives in its parent: without an fsync of the
     # parent, a power loss after save returned can take the whole checkpoint directory away
