@@ -57,3 +57,32 @@ def test_different_lane_counts_fail_every_rank(failures):
 
 def test_a_large_world_is_declined():
     assert all(r["declined"] for r in run_ranks(cases.large_world_case, WORLD, timeout=60))
+
+
+def test_ready_asks_the_store_at_most_once_per_pause():
+    # async_save asks between the boxes it copies: thousands of asks, not thousands of round trips
+    import time
+
+    import torch.distributed as dist
+    from dcp_platform._store_reduce import StoreReduction
+
+    class Counting:
+        def __init__(self) -> None:
+            self.inner, self.checks = dist.HashStore(), 0
+
+        def __getattr__(self, name: str):
+            return getattr(self.inner, name)
+
+        def check(self, keys):
+            self.checks += 1
+            return self.inner.check(keys)
+
+    store = Counting()
+    reduction = StoreReduction(store, "t/ready/r/1", 0, 2, [1, 2], "sum", 0.0001)  # rank 1 has not come in
+    start = time.monotonic()
+    asks = sum(not reduction.ready() for _ in range(20000))
+    took = time.monotonic() - start
+    assert asks == 20000 and store.checks <= took / (2 * 0.00025) + 2, (store.checks, took)
+    StoreReduction(store, "t/ready/r/1", 1, 2, [3, 4], "sum", 0.0001)  # rank 1 comes in, reduces
+    time.sleep(0.001)
+    assert reduction.ready() and reduction.result(lambda: None, lambda start: None) == [4, 6]

@@ -36,10 +36,12 @@ class LoadError(Exception):
     ``failures`` maps each failing rank to its causes; ``phase`` is the step that failed
     (``"validate"`` failures happen before any destination tensor is written). The message
     lists each distinct cause once with the ranks that hit it (``ranks 0-3, 5: cause``),
-    so that its size stays flat as the world grows.
+    so that its size stays flat as the world grows. ``advice``: its closing line, what the
+    destinations hold (by default the phase's: unchanged, or possibly partly written);
+    ``advise`` replaces it.
     """
 
-    def __init__(self, failures: Mapping[int, Sequence[str]], phase: str):
+    def __init__(self, failures: Mapping[int, Sequence[str]], phase: str, advice: str | None = None):
         self.failures = {int(r): tuple(c) for r, c in sorted(failures.items())}
         self.phase = phase
         by_cause: dict[str, list[int]] = {}
@@ -53,13 +55,21 @@ class LoadError(Exception):
             rest = {r for _, ranks in list(by_cause.items())[MAX_CAUSES:] for r in ranks}
             lines.append(f"  ... and {len(by_cause) - MAX_CAUSES} more distinct cause(s) on {format_ranks(rest)} "
                          "(LoadError.failures holds every one)")
-        if phase == "validate":
-            lines.append("No destination tensor was changed.")
-        elif phase in ("execute", "finish"):
-            lines.append("Found only while reading: destination tensors of this load may have been "
-                         "partly written (any tensor entry of the state dict; non-tensor values were "
-                         "not replaced). Load again before using them.")
-        super().__init__("\n".join(lines))
+        if advice is None and phase == "validate":
+            advice = "No destination tensor was changed."
+        elif advice is None and phase in ("execute", "finish"):
+            advice = ("Found only while reading: destination tensors of this load may have been "
+                      "partly written (any tensor entry of the state dict; non-tensor values were "
+                      "not replaced). Load again before using them.")
+        self.advice = advice
+        super().__init__("\n".join([*lines, advice] if advice else lines))
+
+    def advise(self, advice: str) -> None:
+        """Close the message with ``advice`` instead (a caller that knows better what the
+        destinations hold: ``transfer``); lines added after the old one stay after it."""
+        text = str(self.args[0]) if self.args else ""
+        old, self.advice = self.advice, advice
+        self.args = (text.replace(old, advice) if old and old in text else f"{text}\n{advice}", *self.args[1:])
 
     def __reduce__(self):  # picklable, so that a test harness can carry it between processes
-        return (type(self), (self.failures, self.phase))
+        return (type(self), (self.failures, self.phase, self.advice))

@@ -88,6 +88,8 @@ class StoreReduction:
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
         self._store, self._prefix, self._rank, self._world = store, prefix, rank, world
         self._first_pause = first_pause
+        self._cap = max(first_pause, world * POLL_CAP_PER_RANK_S)
+        self._asked = float("-inf")  # when ``ready`` last asked the store
         self._done: list[int] | None = None
         self._mine = self._key(rank)
         store.set(self._mine, _encode(_checked(lanes)))
@@ -104,12 +106,20 @@ class StoreReduction:
         return f"{self._prefix}/{part}"
 
     def ready(self) -> bool:
-        return self._done is not None or bool(self._store.check([self._key("out")]))
+        """Whether the result is out, asking the store at most once per capped pause: a caller
+        that asks between many small steps (``async_save`` between the boxes it copies) would
+        otherwise make a store round trip per step."""
+        if self._done is not None:
+            return True
+        now = time.monotonic()
+        if now - self._asked < self._cap:
+            return False
+        self._asked = now
+        return bool(self._store.check([self._key("out")]))
 
     def result(self, check: Any, stall: Any) -> list[int]:
         if self._done is None:
-            start, pause = time.monotonic(), self._first_pause
-            cap = max(self._first_pause, self._world * POLL_CAP_PER_RANK_S)
+            start, pause, cap = time.monotonic(), self._first_pause, self._cap
             while not self._store.check([self._key("out")]):
                 check()
                 stall(start)

@@ -203,9 +203,8 @@ class _Writes:
         try:
             yield
         except LoadError as exc:
-            if self.known and exc.phase != "validate" and exc.args:  # in place of the line written for ``load``
-                kept = [line for line in str(exc.args[0]).split("\n") if not line.startswith("Found only while")]
-                exc.args = ("\n".join([*kept, self.STAGED if self.staged else self.IN_PLACE]), *exc.args[1:])
+            if self.known and exc.phase != "validate":  # in place of the line written for ``load``
+                exc.advise(self.STAGED if self.staged else self.IN_PLACE)
             raise
 
 
