@@ -102,6 +102,8 @@ class Leaf:
     value: Any
     container: Any
     key: Any
+    #: the keys from the state dict's top down (torch DCP's ``planner_data`` entry of ``name``)
+    keys: tuple[Any, ...] = ()
 
     def replace(self, new: Any) -> None:
         """Put ``new`` where this leaf's value sits (used for non-tensor values)."""
@@ -117,15 +119,15 @@ def _descends(value: Any) -> bool:
     return any(is_tensor(v) or _descends(v) for v in value)
 
 
-def _walk(path: str, value: Any, container: Any, key: Any) -> Iterator[Leaf]:
+def _walk(path: str, value: Any, container: Any, key: Any, keys: tuple[Any, ...]) -> Iterator[Leaf]:
     if isinstance(value, Mapping):
         for k, v in value.items():
-            yield from _walk(f"{path}.{k}", v, value, k)
+            yield from _walk(f"{path}.{k}", v, value, k, (*keys, k))
     elif _descends(value):
         for i, v in enumerate(value):
-            yield from _walk(f"{path}.{i}", v, value, i)
+            yield from _walk(f"{path}.{i}", v, value, i, (*keys, i))
     else:
-        yield Leaf(path, value, container, key)
+        yield Leaf(path, value, container, key, keys)
 
 
 def flatten_state_dict(state_dict: Mapping[Any, Any]) -> list[Leaf]:
@@ -139,7 +141,7 @@ def flatten_state_dict(state_dict: Mapping[Any, Any]) -> list[Leaf]:
     leaves: list[Leaf] = []
     seen: set[str] = set()
     for k, v in state_dict.items():
-        for leaf in _walk(str(k), v, state_dict, k):
+        for leaf in _walk(str(k), v, state_dict, k, (k,)):
             if leaf.name in seen:
                 raise ValueError(
                     f"two state dict entries flatten to the same name {leaf.name!r}; rename one "
