@@ -212,6 +212,6 @@ def bench(session: nox.Session) -> None:
     _install(session, "safetensors>=0.4.3", "matplotlib>=3.8", "fastsafetensors>=0.5", "moto[server]>=5",
              "obstore>=0.6", "s3fs", "runai-model-streamer", "runai-model-streamer-s3")
     if session.posargs[:1] == ["s3"]:  # nox -s bench -- s3 [bench_s3.py options]
-        session.run("python", str(ROOT / "benchmarks" / "bench_s3.py"), *session.posargs[1:])
+        session.run("python", str(ROOT / "benchmarks" / "storage" / "bench_s3.py"), *session.posargs[1:])
         return
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent.parent  # benchmarks/: its scripts and harness/
-sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent.parent  # benchmarks/: harness/ and the areas' folders
+sys.path[:0] = [str(HERE), str(HERE / "load"), str(HERE / "storage")]
 
 import bench_checksums  # noqa: E402
 import bench_load_plan  # noqa: E402

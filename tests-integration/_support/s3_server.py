@@ -1,5 +1,5 @@
 """A real S3 server on loopback (moto's ThreadedMotoServer) and a fault-injecting HTTP proxy in
-front of it, for the object-storage tests and benchmarks/bench_s3.py.
+front of it, for the object-storage tests and benchmarks/storage/bench_s3.py.
 
 The proxy forwards each request to the server and can, for the requests a filter selects
 (default: ranged GETs, the data reads): answer 503 SlowDown, reset the connection, cut the

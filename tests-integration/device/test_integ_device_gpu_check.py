@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py --fake`` runs end to end on the CPU (the fake accelerator), so
+"""``benchmarks/device/gpu_check.py --fake`` runs end to end on the CPU (the fake accelerator), so
 that the script is known to run before it meets a GPU: every loader's values exact, the
 fake accelerator's checks clean, the one-chip note printed."""
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_runs_on_the_fake_accelerator(tmp_path):
     out = tmp_path / "res.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--fake", "--no-cold",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device" / "gpu_check.py"), "--fake", "--no-cold",
                            "--size-gib", "0.01", "--save-gib", "0.005", "--workdir", str(tmp_path / "w"),
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Mutation engine of the checkpoint fuzzer (used by test_fuzz_checkpoints.py and
-benchmarks/fuzz_checkpoints.py).
+benchmarks/storage/fuzz_checkpoints.py).
 
 ``build_seeds`` writes one small checkpoint per format; mutant ``i`` of seed ``s`` is a copy
 of one seed with one mutation drawn from ``random.Random(f"{s}:{i}")`` (reproducible alone).

@@ -6,7 +6,7 @@ allowed callables, BUILD on stand-ins: tests-integration/formats/pickle_mutation
 into poisoned targets in a child process under a time limit, its peak memory measured.
 Asserts only typed errors with targets untouched, no hang, crash or memory beyond the bound,
 and no silently changed tensor or value in the native format (block checksums, value
-checksums). The full 20,000-mutant run is benchmarks/fuzz_checkpoints.py."""
+checksums). The full 20,000-mutant run is benchmarks/storage/fuzz_checkpoints.py."""
 
 from __future__ import annotations
 

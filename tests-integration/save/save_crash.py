@@ -14,7 +14,7 @@ none). Every generation writes a
 different set of tensors (their number and sizes vary), so an earlier, larger save leaves
 files that a later one must not name.
 
-Used by test_integ_save_crash.py (a few kills) and benchmarks/save_crash.py (200).
+Used by test_integ_save_crash.py (a few kills) and benchmarks/save/save_crash.py (200).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ were. Then the CI subset of the save-crash trials (save_crash.py): savers SIGKIL
 random points of saves and overwrites (``save``, and ``async_save`` whose savers change
 every tensor once it returns), by one process and by 2 gloo ranks, after which the
 directory holds the old checkpoint or the new one, whole and exact, or none when there was
-none. The 200-kill run is benchmarks/save_crash.py."""
+none. The 200-kill run is benchmarks/save/save_crash.py."""
 
 from __future__ import annotations
 

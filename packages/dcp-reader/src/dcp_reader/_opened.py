@@ -1,7 +1,7 @@
 """The metadata of the checkpoints opened last, reused while their files are unchanged.
 
 A job that loads a small checkpoint again and again (evaluation, tests, a few tensors at a
-time) parsed its metadata on every ``open_checkpoint``: in each benchmarks/bench_tp.py case
+time) parsed its metadata on every ``open_checkpoint``: in each benchmarks/load/bench_tp.py case
 on 2 gloo ranks, opening took 0.30-0.49 ms per rank and load for one safetensors file and
 0.50-0.79 ms for torch DCP's pickle, 0.12-0.15 ms with the metadata reused (medians of 30
 loads, measured alternately; 0.13 and 0.26 ms against 0.03 and 0.04 ms on an idle core).

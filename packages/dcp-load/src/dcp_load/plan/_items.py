@@ -33,7 +33,7 @@ VIEWS = 2
 #: ``_owners.BOXES_PER_SLAB``; how many: ``_owners``): huge tensors (an embedding, an
 #: lm_head) are read by several owners, and each holder set's owners get several slabs to
 #: balance. Measured on the 70B-like plan of
-#: benchmarks/bench_load_plan.py (TP8 x PP8 x DP16 / DP64), max / mean bytes read per rank:
+#: benchmarks/load/bench_load_plan.py (TP8 x PP8 x DP16 / DP64), max / mean bytes read per rank:
 #: 16 MiB slabs 1.15 / 1.44, 8 MiB slabs 1.10 / 1.16 (the earlier whole-job greedy planner:
 #: 1.10 / 1.14). 8 MiB keeps the fixed costs per slab moderate: ~10 us per narrowed read
 #: (dcp-reader README), ~145 us per broadcast on Ascend against ~240 us to move 8 MiB at

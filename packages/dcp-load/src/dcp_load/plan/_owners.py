@@ -55,7 +55,7 @@ __all__ = ["BOXES_PER_SLAB", "SLABS_PER_UNIT", "STRIPES_PER_UNIT", "PlanBuilder"
 #: In a holder set with little data per owner (``_heaviest_first``), slabs are at most its
 #: bytes / (this x owners) (and at least ``split_bytes``): with several slabs per owner,
 #: heaviest-first assignment balances the owners. Measured before sets with more data were
-#: dealt in stripes, 70B-like plan (benchmarks/bench_load_plan.py), max / mean bytes read per rank at
+#: dealt in stripes, 70B-like plan (benchmarks/load/bench_load_plan.py), max / mean bytes read per rank at
 #: DP16 / DP64 with 8 MiB slabs: 2 per owner 1.19 / 1.22, 4: 1.17 / 1.16, 8: 1.10 / 1.16.
 SLABS_PER_UNIT = 8
 
@@ -63,14 +63,14 @@ SLABS_PER_UNIT = 8
 #: each rank's box of a slab is at least ``split_bytes`` / 8 (1 MiB by default), the size
 #: the boxes of an 8 MiB row-parallel slab at TP8 already have. A holder set of one box per
 #: interval (a column-parallel weight's data-parallel replicas) is then cut finer when its
-#: members are many: 70B-like plan at 16,384 ranks (benchmarks/bench_derive_plan.py), such
+#: members are many: 70B-like plan at 16,384 ranks (benchmarks/load/bench_derive_plan.py), such
 #: sets hold ~6 MiB per member, under one 8 MiB slab.
 BOXES_PER_SLAB = 8
 
 #: Equal stripes per unit when a holder set's bytes are dealt (``_deal``): one stripe each
 #: already balances to a row, but then each unit's reads are one block of the broadcast
 #: walk, and the walk waits for the first block's whole read; with 4, for a quarter of it.
-#: 70B-like plan (benchmarks/bench_derive_plan.py), 1,024 / 4,096 / 16,384 ranks: max/mean
+#: 70B-like plan (benchmarks/load/bench_derive_plan.py), 1,024 / 4,096 / 16,384 ranks: max/mean
 #: bytes read per rank 1.089 / 1.090 / 1.092 with 1 stripe, 1.090 / 1.091 / 1.096 with 4
 #: (the stages' own imbalance is 1.089); broadcasts per rank 122 / 218 / 601 with 1,
 #: 218 / 601 / 1,625 with 4 (heaviest-first 8 MiB slabs: 312 / 752 / 952, balance
@@ -82,7 +82,7 @@ STRIPES_PER_UNIT = 4
 #: so the groups a load creates grow with this number, and the slabs' reads and sends
 #: spread over it. Llama-8B on 8-rank hosts, most groups per rank (plan only): TP8 x DP8 10
 #: with 1, 18 with 2, 65 with every holder relaying. 4 ranks on one host loading 294 MiB
-#: from moto (benchmarks/bench_s3.py --gib 0.25 --runs dcp:tp, alternating): 5.36 / 4.08 s
+#: from moto (benchmarks/storage/bench_s3.py --gib 0.25 --runs dcp:tp, alternating): 5.36 / 4.08 s
 #: with 1, 6.08 / 4.27 s with 2: no difference above the noise (one rank's 8 readers keep
 #: 40 GETs in flight), so the fewest groups.
 RELAYS_PER_HOST = 1

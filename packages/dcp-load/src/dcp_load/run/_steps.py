@@ -387,7 +387,7 @@ def effective_mode(mode: Any, checkpoint_id: Any) -> Any:
     if mode == AUTO and not local_storage(checkpoint_id):
         # An object store has no page cache that a host's ranks share: "auto"'s same-host
         # reads would fetch each replicated byte once per rank (measured: 4.01 x the unique
-        # bytes on DP4, benchmarks/bench_s3.py). Every byte is fetched once per job instead.
+        # bytes on DP4, benchmarks/storage/bench_s3.py). Every byte is fetched once per job instead.
         return True
     return mode
 

@@ -104,7 +104,7 @@ class _Heads:
     """First bytes of objects by (URI, ETag, size), least recently used dropped past
     ``limit``: the sibling readers of a load (one per read thread) each open every file
     and would each fetch its header again (8 readers x 4 ranks x 32 files x 64 KiB was 6 %
-    of a 1 GiB checkpoint, benchmarks/bench_s3.py); the ETag changes when the object does."""
+    of a 1 GiB checkpoint, benchmarks/storage/bench_s3.py); the ETag changes when the object does."""
 
     def __init__(self, limit: int = 256):
         self.limit, self.lock = limit, threading.Lock()

@@ -167,6 +167,9 @@ class NativeWriter:
     removes only objects that were there when the save began.
     """
 
+    #: the dcp-reader format this writer writes (``CheckpointMetadata.format``)
+    format = "native"
+
     #: (ETag of the metadata object or None, names under the prefix), recorded by ``lock()``
     #: on an object store
     _seen: tuple[str | None, frozenset[str]] | None = None
@@ -328,7 +331,7 @@ class NativeWriter:
         if self.storage.local:
             # A directory that held committed metadata had its entry made durable by that
             # commit's parent sync; one fsync fewer per save into the same directory (2 ms of
-            # a 40 ms 8 MiB save on 4 gloo ranks, ext4, benchmarks/bench_save.py).
+            # a 40 ms 8 MiB save on 4 gloo ranks, ext4, benchmarks/save/bench_save.py).
             fresh = not os.path.exists(os.path.join(root, METADATA_FILE))
             self.storage.put(METADATA_FILE, [metadata.to_json().encode()])
         else:

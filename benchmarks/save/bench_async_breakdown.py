@@ -22,7 +22,7 @@ and the time the process's first ``async_save`` blocked (the first layout's: it 
 arena's pages for the first time). ``--numpy-arena`` stages into ``np.empty`` memory, which
 NumPy advises for transparent huge pages, as the pool did before it took ordinary pages.
 
-    python benchmarks/bench_async_breakdown.py [--size 1024] [--saves 9] [--world 4] [--numpy-arena]
+    python benchmarks/save/bench_async_breakdown.py [--size 1024] [--saves 9] [--world 4] [--numpy-arena]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A load's control reduction, side by side: a gloo all-reduce of int64 lanes against the
 store reduction ``dcp_platform.Watch`` makes for small worlds (``_store_reduce.py``).
 
-    python benchmarks/bench_control.py [--worlds 2,4,8] [--lanes 1,4,40] [--repeats 100]
+    python benchmarks/transfer/bench_control.py [--worlds 2,4,8] [--lanes 1,4,40] [--repeats 100]
 
 In one launch per world, the two alternate lane count by lane count; each time is one
 rank's, from a barrier to its result (the median over ``--repeats`` of the slowest rank's
@@ -10,10 +10,14 @@ medians is printed). 40 lanes is a derived load's digest, 4 its closing check.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
-from harness.cli import ints, parser
-from harness.stats import median
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import ints, parser  # noqa: E402
+from harness.stats import median  # noqa: E402
 
 
 def rank_main(rank: int, world: int, lanes: list[int], repeats: int) -> dict[str, float]:

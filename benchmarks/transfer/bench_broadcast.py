@@ -1,7 +1,7 @@
 """dcp-broadcast on 4 local gloo ranks: batched against one broadcast per item, and large
 tensors against a plain torch.distributed.broadcast loop, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_broadcast.py [--repeats 3]
+    .venv/bin/python benchmarks/transfer/bench_broadcast.py [--repeats 3]
 
 Each figure is the median over ``--repeats`` rounds of the slowest rank's wall time (ranks
 start together after a barrier; each round runs every mode once). Replicated items are spread over the 4 ranks as sources
@@ -10,13 +10,19 @@ start together after a barrier; each round runs every mode once). Replicated ite
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from dcp_broadcast import BroadcastItem, broadcast_items
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
-from harness.cli import parser
-from harness.ranks import rounds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import parser  # noqa: E402
+from harness.ranks import rounds  # noqa: E402
 
 WORLD = 4
 SMALL = [(1000, 4 * 1024), (500, 64 * 1024)]

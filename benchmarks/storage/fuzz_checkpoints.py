@@ -5,7 +5,7 @@ child processes, and prints the outcome counts per format, every failure and the
 4 of every 10 mutants change a pickle by its structure (torch DCP's .metadata, a blob's
 data.pkl, a native values.pkl: tests-integration/formats/pickle_mutations.py).
 
-    .venv/bin/python benchmarks/fuzz_checkpoints.py [--count 20000] [--seed 20261201] [--workers 1]
+    .venv/bin/python benchmarks/storage/fuzz_checkpoints.py [--count 20000] [--seed 20261201] [--workers 1]
 
 Exit status 1 when any mutant failed (untyped error, targets touched, silent change in the
 native format, hang past --mutant-timeout, crash, peak memory beyond the bound).
@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration", "formats"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests-integration", "formats"))
 
 import fuzz_mutations as fm  # noqa: E402
 

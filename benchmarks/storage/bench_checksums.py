@@ -11,9 +11,9 @@ alternate, their order swapped every repeat, after one untimed load of each; a l
 is the slowest rank's (barrier before, barrier after). The median of each setting and of
 the per-repeat ratio (verify / no verify) is reported, with the load average.
 The reader alone (``CheckpointReader.read_into`` of whole tensors, of the first half along
-dim 0 and along dim 1, as in benchmarks/bench_reader.py) is timed the same way.
+dim 0 and along dim 1, as in benchmarks/storage/bench_reader.py) is timed the same way.
 
-    .venv/bin/python benchmarks/bench_checksums.py [--gib 1.0] [--repeats 7] [--worlds 1,2,4]
+    .venv/bin/python benchmarks/storage/bench_checksums.py [--gib 1.0] [--repeats 7] [--worlds 1,2,4]
 
 In the full run (benchmarks/run_all.py, scenario ``checksums``) the section "Checksum cost"
 of the report comes from ``tables``.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: harness/
 
 from harness.cli import ints, parser, stamped  # noqa: E402
 from harness.stats import fmt_bytes, median, ratio_by_repeat, table  # noqa: E402
@@ -203,7 +203,7 @@ def tables(res: dict[str, Any]) -> list[str]:
             f"row): {loadavg}.\n\n"
             + table(["ranks", "verify s", "no verify s", "ratio", "cost"], rows)
             + "\n\nThe reader alone (`CheckpointReader.read_into` into preallocated tensors, as in "
-            "benchmarks/bench_reader.py):\n\n"
+            "benchmarks/storage/bench_reader.py):\n\n"
             + table(["case", "read_into s", "into+verify s", "cost"], reader_rows) + _why(res)]
 
 

@@ -1,10 +1,10 @@
 """Loading a ~1 GiB Hugging Face checkpoint from S3 on 4 ranks: dcp against torch DCP's
 FsspecReader over s3fs and Run:ai Model Streamer, all in one run, through one proxy.
 
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/bench_s3.py
-    python benchmarks/bench_s3.py --gib 0.25 --skip-peers      # a smoke run (dcp only)
-    python benchmarks/bench_s3.py --concurrency 4,8,16,32      # dcp's GETs in flight, swept
-    python benchmarks/bench_s3.py --gib 0.25 --runs dcp:tp,torchdcp:tp   # column shards
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/storage/bench_s3.py
+    python benchmarks/storage/bench_s3.py --gib 0.25 --skip-peers      # a smoke run (dcp only)
+    python benchmarks/storage/bench_s3.py --concurrency 4,8,16,32      # dcp's GETs in flight, swept
+    python benchmarks/storage/bench_s3.py --gib 0.25 --runs dcp:tp,torchdcp:tp   # column shards
 
 The S3 server is moto (``python -m moto.server``, its own process) on loopback; the
 proxy (tests-integration/_support/s3_server.py, in this process) adds a per-request latency drawn
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests-integration" / "_support"))
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests-integration" / "_support"))
+sys.path.insert(0, str(HERE.parent))  # benchmarks/: harness/
 
 import s3_server  # noqa: E402
 from harness.cli import names, parser, write_json  # noqa: E402

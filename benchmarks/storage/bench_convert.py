@@ -16,7 +16,7 @@ checked: the two dcp outputs byte for byte, the torch path's tensor by tensor.
 Run from the repository root (~10 GB of disk under --workdir, removed at the end unless
 ``--keep``):
 
-    python benchmarks/bench_convert.py [--sizes 1,4] [--workdir /tmp/dcp-convert-bench]
+    python benchmarks/storage/bench_convert.py [--sizes 1,4] [--workdir /tmp/dcp-convert-bench]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
 
 from harness.cli import ints, names, parser, write_json  # noqa: E402
 from harness.common import GiB, MiB, ModelSpec, spec_nbytes, warm_files, write_hf_checkpoint  # noqa: E402

@@ -1,8 +1,8 @@
 """The accelerator check: one process, one GPU, every figure of the device path in one run.
 
     PYTHONPATH=packages/dcp-platform/src:packages/dcp-reader/src:packages/dcp-broadcast/src:packages/dcp-load/src \\
-        python benchmarks/gpu_check.py                       # 8 GiB, CUDA (H200: < 8 min)
-    ... python benchmarks/gpu_check.py --fake --size-gib 0.06   # on CPU, the fake accelerator
+        python benchmarks/device/gpu_check.py                       # 8 GiB, CUDA (H200: < 8 min)
+    ... python benchmarks/device/gpu_check.py --fake --size-gib 0.06   # on CPU, the fake accelerator
 
 It writes an 8 GiB bf16 Hugging Face checkpoint (64 MiB tensors, 2 GiB shards) itself,
 then, with a warm page cache and a cold one (``drop_caches`` as root, else
@@ -32,7 +32,7 @@ from the sources in turn and failed them. On CUDA it leaves unverified:
 
 * ``DeviceCopies.begin`` (the copy stream after the caller's current stream, for loads and
   for async_save's staging): the fake's current stream is the host, so removing it fails
-  no CPU test. ``benchmarks/gpu_waits.py`` checks it, with the ring wait, the load's
+  no CPU test. ``benchmarks/device/gpu_waits.py`` checks it, with the ring wait, the load's
   ``finish`` and staging's wait, on one GPU (results/gpu.md);
 * ``DeviceLoad.publish`` as NCCL sees it (the broadcast's stream after the copy event,
   device-side): the fake orders by a host wait; it needs two GPUs;

@@ -15,7 +15,7 @@ own byte count / unique, and the peak extra private memory per rank beside the g
 ``batch x in-flight + 64 MiB`` (6 MiB x 8 + 64 MiB). Every loaded value is checked
 against the HF files. Run from the repository root:
 
-    python benchmarks/bench_torch_dcp_reshard.py [--quick] [--methods dcp-auto,dcp,torch]
+    python benchmarks/load/bench_torch_dcp_reshard.py [--quick] [--methods dcp-auto,dcp,torch]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
 
 from harness.cli import names, parser, write_json  # noqa: E402
 from harness.common import (  # noqa: E402

@@ -26,7 +26,7 @@ order from one repeat to the next; tables give medians over ``--repeats``.
    whole of ``save`` (its collectives too) on a background thread, so it gets a process
    group of its own (``process_group=``), as torch asks for when training continues.
 
-    python benchmarks/bench_save_throttled.py --size 256 --repeats 3
+    python benchmarks/save/bench_save_throttled.py --size 256 --repeats 3
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
 
 from bench_save import WORLD, MiB, _launch, _local_bytes, _rss, _state  # noqa: E402
 from harness import throttle as throttle  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = ("dp2tp2", "fsdp4")
 SYNC_SAVERS = ("dcp save", "torch save")
 ASYNC_SAVERS = ("dcp async", "torch async thread")

@@ -8,12 +8,15 @@ process started by the same launcher as the multi-rank scenarios (world size 1).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-from harness.common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint
-from harness.layouts import model_dir, model_spec
-from harness.stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.common import Run, rank_load, warm_files, write_hf_checkpoint, write_warmup_checkpoint  # noqa: E402
+from harness.layouts import model_dir, model_spec  # noqa: E402
+from harness.stats import by_repeat, fmt_bytes, median, ratio_by_repeat, summarise, table  # noqa: E402
 
 METHODS = {"dcp": "dcp (no_dist)", "safetensors": "safetensors load_file + copy",
            "torch": "torch DCP HF reader (no_dist)"}

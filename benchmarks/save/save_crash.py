@@ -5,7 +5,7 @@ returned, after which the directory
 must hold the old checkpoint or the new one, whole and exact, or none when there was none.
 Prints the outcome counts, every lost checkpoint and the time.
 
-    .venv/bin/python benchmarks/save_crash.py [--kills 200] [--seed 20261201]
+    .venv/bin/python benchmarks/save/save_crash.py [--kills 200] [--seed 20261201]
 
 Exit status 1 when any checkpoint was lost.
 """
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests-integration", "save"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests-integration", "save"))
 
 import save_crash as sc  # noqa: E402
 

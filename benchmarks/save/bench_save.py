@@ -15,7 +15,7 @@ bytes the rank writes into a warm buffer (the floor of taking a snapshot), the m
 RSS over its first counted call), and dcp's six async saves in a row (RSS growth from
 the first, threads left).
 
-    python benchmarks/bench_save.py --size 256 --repeats 3 [--world 2]
+    python benchmarks/save/bench_save.py --size 256 --repeats 3 [--world 2]
 """
 
 from __future__ import annotations

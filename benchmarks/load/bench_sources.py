@@ -24,7 +24,7 @@ load with ``posix_fadvise``; ``--warm``: read into it first) against the unique 
 Both methods' fused shards are compared byte for byte on every rank, and layer 0's
 against the files. Run from the repository root:
 
-    python benchmarks/bench_sources.py [--quick] [--repeats 3] [--warm]
+    python benchmarks/load/bench_sources.py [--quick] [--repeats 3] [--warm]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
 
 from harness.cli import parser, write_json  # noqa: E402
 from harness.common import (  # noqa: E402

@@ -16,12 +16,16 @@ fetched, over B.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
-from bench_load_replicated import prepare_checkpoints
-from harness import throttle as throttle
-from harness.common import Run
-from harness.layouts import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from bench_load_replicated import prepare_checkpoints  # noqa: E402
+from harness import throttle as throttle  # noqa: E402
+from harness.common import Run  # noqa: E402
+from harness.layouts import (  # noqa: E402
     LAYOUT_NAMES,
     LAYOUTS,
     METHOD_NAMES,

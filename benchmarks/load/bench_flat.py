@@ -22,7 +22,7 @@ bytes read per rank against the bytes its partition needs, and the ratios dcp / 
 beside the goals (memory <= 0.25 x, bytes read <= 1.01 x needed). The buffers loaded by
 both methods are compared bit for bit. Run from the repository root:
 
-    python benchmarks/bench_flat.py [--quick] [--repeats 2]
+    python benchmarks/load/bench_flat.py [--quick] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
 
 from harness.cli import parser, write_json  # noqa: E402
 from harness.common import MemorySampler, checkpoint_files, fadvise_dontneed, read_bytes  # noqa: E402

@@ -2,7 +2,7 @@
 gathering each tensor and broadcasting it from trainer rank 0, and against torch DCP save
 + load through a RAM-backed directory, side by side in one run.
 
-    .venv/bin/python benchmarks/bench_transfer.py [--repeats 3] [--large-mib 8] [--large 16] [--small 2000]
+    .venv/bin/python benchmarks/transfer/bench_transfer.py [--repeats 3] [--large-mib 8] [--large 16] [--small 2000]
 
 Ranks 0-1 are the trainer (FSDP2: ``Shard(0)`` over their 1-D mesh), ranks 2-3 the engine
 (tensor parallel over theirs: even tensors column-parallel ``Shard(0)``, odd ones
@@ -14,7 +14,7 @@ peak extra resident memory (VmHWM after the method minus VmRSS before, the high-
 reset through /proc/self/clear_refs); collectives per engine rank (torch DCP: not counted).
 ``transfer (reused)`` is the second transfer between the same layouts (plan kept).
 
-    .venv/bin/python benchmarks/bench_transfer.py --jobs [--repeats 3] [--bucket-mib 32] ...
+    .venv/bin/python benchmarks/transfer/bench_transfer.py --jobs [--repeats 3] [--bucket-mib 32] ...
 
 ``--jobs``: the trainer and the engine as two jobs launched apart (2 ranks each, each job
 its own default gloo group), joined by ``dcp_load.transfer_group`` through a TCPStore on

@@ -1,7 +1,7 @@
 """dcp-platform on local gloo ranks: broadcast fixed cost and bandwidth by message size, and
 fused copy against a copy loop. A benchmark, not a test: it prints a table.
 
-    .venv/bin/python benchmarks/bench_platform.py [--world 4] [--max-mib 256] [--reps 5]
+    .venv/bin/python benchmarks/transfer/bench_platform.py [--world 4] [--max-mib 256] [--reps 5]
 
 Each broadcast is timed from a barrier until every rank has waited on it; the figure is
 the slowest rank's time (median over --reps). "fixed cost" is a 4-byte broadcast.
@@ -12,14 +12,19 @@ The fused copy is platform.fused_copy(dsts, srcs) against `for d, s: d.copy_(s)`
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 from dcp_platform import get_platform
 from dcp_platform.testing import run_ranks
-from harness.cli import parser
-from harness.ranks import slowest
-from harness.stats import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import parser  # noqa: E402
+from harness.ranks import slowest  # noqa: E402
+from harness.stats import median  # noqa: E402
 
 
 def _timed_broadcast(p, buf: torch.Tensor, reps: int) -> float:

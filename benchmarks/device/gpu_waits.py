@@ -1,6 +1,6 @@
 """The device path's waits on a real CUDA device: each one removed in turn gives wrong values.
 
-    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/gpu_waits.py   # one GPU, < 1 min
+    PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python benchmarks/device/gpu_waits.py   # one GPU, < 1 min
 
 The fake accelerator (``dcp_platform.testing.FakeAccelerator``) makes every copy late, so
 the CPU tests show a missing wait as a wrong value; here the same holds on CUDA streams and

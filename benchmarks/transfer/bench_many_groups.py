@@ -7,17 +7,21 @@ prints the median seconds per call of each, their ratio, and dcp's phases (its o
 ``LoadReport.seconds``), so a step whose cost grows with the groups shows up beside one
 that does not.
 
-    python benchmarks/bench_many_groups.py [--groups 0,300,1200] [--repeat 15]
+    python benchmarks/transfer/bench_many_groups.py [--groups 0,300,1200] [--repeat 15]
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from harness.cli import ints, parser
-from harness.stats import median
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import ints, parser  # noqa: E402
+from harness.stats import median  # noqa: E402
 
 NAMES = [f"w{i}" for i in range(8)]
 

@@ -16,7 +16,7 @@ For each world size:
 * broadcasts per rank (max) and storage amplification (bytes fetched, once per host, over
   the unique bytes).
 
-Run: ``python benchmarks/bench_derive_plan.py [--worlds 1024 4096 ...] [--json OUT]``;
+Run: ``python benchmarks/load/bench_derive_plan.py [--worlds 1024 4096 ...] [--json OUT]``;
 the plot goes to ``benchmarks/plots/derived_plan_scaling.png``. The header line names the
 git commit and the load average, since the machine may be shared.
 """
@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness.cli import parser, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import parser, write_json  # noqa: E402
 
 
 def greedy_balance(tensors: dict[str, Any], layout: Any) -> float:
@@ -120,7 +123,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"git {_commit()}; load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     rows = run(args.worlds, args.greedy_up_to, args.repeats)
-    plot(rows, Path(__file__).parent / "plots" / "derived_plan_scaling.png")
+    plot(rows, Path(__file__).resolve().parents[1] / "plots" / "derived_plan_scaling.png")
     write_json(args.json, rows)
 
 

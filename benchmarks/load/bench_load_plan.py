@@ -21,10 +21,14 @@ import dataclasses
 import gc
 import math
 import pickle
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from harness.stats import fmt_bytes, median, table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.stats import fmt_bytes, median, table  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

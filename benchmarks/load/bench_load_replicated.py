@@ -15,11 +15,14 @@ with its HuggingFaceStorageReader. Every rank also samples its resident memory (
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness.common import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.common import (  # noqa: E402
     GiB,
     Run,
     copy_checkpoint,

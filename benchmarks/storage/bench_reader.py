@@ -17,7 +17,7 @@ along dim 1. Each repetition runs the methods one after the other; the best of t
 (robust to a busy shared machine) and the ratio (other time / reader time) are printed. The checkpoint is written to a
 temporary directory under /tmp and deleted afterwards.
 
-    .venv/bin/python benchmarks/bench_reader.py [--gib 1.0] [--files 4] [--reps 5] [--hf]
+    .venv/bin/python benchmarks/storage/bench_reader.py [--gib 1.0] [--files 4] [--reps 5] [--hf]
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from dcp_reader import CheckpointMetadata, ChunkMeta, NativeWriter, TensorMeta, chunk_key, open_checkpoint
 from dcp_reader.formats._safetensors_file import read_header_at
-from harness.cli import parser
-from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness/
+
+from harness.cli import parser  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 MiB = 1024 * 1024
 

@@ -11,7 +11,7 @@ of both loaders are compared with each other and with the saved tensors. Printed
 median over ``--repeats`` of each, their ratio, and dcp's bytes read against the bytes
 the ranks hold.
 
-    python benchmarks/bench_tp.py [--ranks 2,4] [--repeats 3] [--cases ...] [--model-mib 256]
+    python benchmarks/load/bench_tp.py [--ranks 2,4] [--repeats 3] [--cases ...] [--model-mib 256]
 """
 
 from __future__ import annotations
