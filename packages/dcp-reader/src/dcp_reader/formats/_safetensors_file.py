@@ -223,13 +223,13 @@ class SafetensorsFile:
     def verify_entry(self, key: str, sums: BlockSums, *, name: str, window_blocks: int = 16,
                      worker: HashWorker | None = None) -> int:
         """Verify every block of ``key`` (ChecksumError at the first bad one), reading
-        ``window_blocks`` blocks at a time into one reused buffer. Returns the bytes checked."""
-        import numpy as np
-
+        ``window_blocks`` blocks at a time into one reused buffer. Returns the bytes checked.
+        The buffer is a ``bytearray``, not NumPy's: ``dcp verify`` then imports no NumPy
+        (0.1-0.4 s of a command that checks a small checkpoint in milliseconds)."""
         e = self.header.entries[key]
         nbytes = e.end - e.start
         window = sums.block * window_blocks
-        buf = np.empty(min(window, nbytes), dtype=np.uint8)
+        buf = memoryview(bytearray(min(window, nbytes)))
         for lo in range(0, nbytes, window):
             part = buf[:min(window, nbytes - lo)]
             read_verified(self._fd, part, self.header.data_start + e.start + lo, lo, sums, worker=worker,
