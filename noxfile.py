@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import shutil
 
 import nox
 
@@ -53,7 +54,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore", "tests-torchtitan",
-                        "packages-alone"]
+                        "packages-alone", "docs"]
 
 
 #: What each package needs of its siblings (its declared dependencies, transitively).
@@ -215,3 +216,37 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(ROOT / "benchmarks" / "storage" / "bench_s3.py"), *session.posargs[1:])
         return
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs)
+
+
+#: The user guide's dependencies, every one pinned: `mkdocs build --strict` fails on any warning, so a
+#: new release's new warning must arrive through a change here, not by itself.
+DOCS_DEPS = ["mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocs-material-extensions==1.3.1", "mkdocstrings==1.0.8",
+             "mkdocstrings-python==2.0.11", "mkdocs-autorefs==1.4.5", "griffelib==2.4.1", "markdown==3.11.3",
+             "pymdown-extensions==13.1.2", "pygments==2.21.0", "matplotlib==3.11.2",
+             "ruff==0.17.5"]  # ruff: mkdocstrings formats the signatures with it
+
+
+def _build_docs(session: nox.Session) -> pathlib.Path:
+    """The plots from benchmarks/results/, then the site, strict; returns the site's folder."""
+    session.install(*DOCS_DEPS)
+    session.run("python", str(ROOT / "benchmarks" / "plot_results.py"))
+    site = pathlib.Path(session.create_tmp()).resolve() / "site"
+    session.run("mkdocs", "build", "--strict", "--clean", "--config-file", str(ROOT / "mkdocs.yml"),
+                "--site-dir", str(site), env={"NO_MKDOCS_2_WARNING": "1"})
+    return site
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The user guide under docs/: plots regenerated, `mkdocs build --strict` (a warning or broken link fails)."""
+    _build_docs(session)
+
+
+@nox.session(name="docs-browse", python=PYTHON)
+def docs_browse(session: nox.Session) -> None:
+    """The built guide in headless Chromium: every navigation page and image, screenshots in docs-browse/."""
+    if not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")):
+        session.skip("no Chromium here: install Debian's package with 'apt-get install -y chromium'")
+    site = _build_docs(session)
+    out = pathlib.Path(session.create_tmp()).resolve() / "docs-browse"
+    session.run("python", str(ROOT / "docs" / "_tools" / "browse.py"), str(site), str(out))
