@@ -1,4 +1,4 @@
-"""Find and run the ```python blocks of the READMEs, so that the docs stay true.
+"""Find and run the ```python blocks of the READMEs and of the user guide (docs/), so that the docs stay true.
 
 The line just before a block's fence (blank lines aside) says how it runs:
 

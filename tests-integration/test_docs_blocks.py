@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and packages/*/README.md runs (one fresh process, or N
+"""Every ```python block of README.md, packages/*/README.md and the user guide (docs/**/*.md) runs (one fresh process, or N
 real gloo ranks when marked ``<!-- docs-test: ranks=N -->``) or is a fragment on purpose
 (``<!-- docs-test: fragment -->``), and every block fenced as python parses. The marker
 parser itself is checked on small Markdown texts. Runner and convention: docs_blocks.py.
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import docs_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
+READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md")), *sorted(ROOT.glob("docs/**/*.md"))]
 BLOCKS = [b for path in READMES for b in docs_blocks.find_blocks(path)]
 
 
