@@ -68,7 +68,8 @@ def check_page(browser: str, url: str) -> list[str]:
         problems.append(f"{url}: the site's 404 page")
     for src in re.findall(r'<img[^>]*src="([^"]+)"', dom):
         img = urljoin(url, src)
-        if "://" in src and not img.startswith(url.split("/", 3)[0]):
+        if not img.startswith(url.split("/", 3)[0] + "//" + url.split("/", 3)[2] + "/"):
+            problems.append(f"{url}: image {src} is not served by the site (the guide ships its images)")
             continue
         try:
             with urllib.request.urlopen(img, timeout=10) as resp:
@@ -79,9 +80,13 @@ def check_page(browser: str, url: str) -> list[str]:
     return problems
 
 
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  # no line per request
+        pass
+
+
 def serve(site: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *a: None  # type: ignore[method-assign]  # quiet: one line per request
+    handler = functools.partial(_Quiet, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
