@@ -4,7 +4,10 @@ torch.distributed.checkpoint takes a state dict whose values may be such objects
 ``Stateful`` protocol: a module, an optimizer, a scheduler, torchtitan's model and optimizer
 containers): ``save`` stores ``obj.state_dict()``, ``load`` fills ``obj.state_dict()`` and
 then calls ``obj.load_state_dict`` with it. dcp does the same, at any depth of mappings and
-lists (torch DCP looks at the top level only):
+lists (torch DCP looks at the top level only). Objects are called in sorted key order, depth
+first (list items by index), whatever order each rank built its mappings in, as torch DCP's
+``load`` sorts the top-level keys: a ``state_dict()`` or ``load_state_dict()`` that runs a
+collective (a sharded optimizer's) then meets the same call on every rank instead of hanging.
 
 * ``resolve`` calls ``state_dict()`` on every such object, before any plan, and returns the
   state dict with each object replaced by what it returned; mappings and lists on the way
@@ -14,9 +17,9 @@ lists (torch DCP looks at the top level only):
 * ``hand_back`` runs once every value of this rank is filled and checked: non-tensor values
   replaced in a copied container are put into the caller's container too (as a load
   without objects replaces them), then each object's ``load_state_dict`` gets its filled
-  state dict, in state dict order. A call that raises is an error naming the key and type;
-  the objects before it are set, those after it are still set (each object is set whole or
-  not at all, never half).
+  state dict, in the order ``resolve`` called ``state_dict()``. A call that raises is an
+  error naming the key and type; the objects before it are set, those after it are still
+  set (each object is set whole or not at all, never half).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class Resolved:
     """The state dict to plan with, and how to hand its filled states back."""
 
     state: Any
-    #: (key, object, the state dict it returned), in state dict order
+    #: (key, object, the state dict it returned), in sorted key order (module docstring)
     objects: list[tuple[str, Any, Any]] = field(default_factory=list)
     #: (caller's container, its copy), for the non-tensor values a load replaces
     copies: list[tuple[Any, Any]] = field(default_factory=list)
@@ -64,7 +67,8 @@ def _resolve(value: Any, path: str, out: Resolved, errors: list[str]) -> Any:
     if is_stateful(value) and not _is_tensor(value):
         return _state_of(value, path, out, errors)
     if isinstance(value, Mapping):
-        items = [(k, _resolve(v, f"{path}.{k}" if path else str(k), out, errors)) for k, v in value.items()]
+        done = {k: _resolve(value[k], f"{path}.{k}" if path else str(k), out, errors) for k in _sorted(value)}
+        items = [(k, done[k]) for k in value]  # the copy keeps the caller's order
         if all(new is value[k] for k, new in items):
             return value
         copy = dict(items)
@@ -77,6 +81,15 @@ def _resolve(value: Any, path: str, out: Resolved, errors: list[str]) -> Any:
         out.copies.append((value, items))
         return items
     return value
+
+
+def _sorted(mapping: Mapping[Any, Any]) -> list[Any]:
+    """The keys of ``mapping`` sorted as torch DCP sorts them; by their text where they do
+    not compare (keys of several types), which every rank sorts alike too."""
+    try:
+        return sorted(mapping)
+    except TypeError:
+        return sorted(mapping, key=str)
 
 
 def _state_of(obj: Any, path: str, out: Resolved, errors: list[str]) -> Any:
