@@ -67,3 +67,21 @@ def strided_sources(rank: int, world: int, kind: str, changes: int) -> list[dict
     shape = _strided(kind, 0).shape
     dst = {"w": torch.full(shape, float("nan"))} if rank == 1 else None
     return [_step(rank, dst, _strided(kind, c), (0,), True) for c in (0, changes, 2 * changes)]
+
+
+def view_overlaps_destination(rank: int, world: int) -> list[dict[str, Any]]:
+    """Plan A fills rank 1's fused tensor ``D`` (2N elements) whole with delta=True; plan B
+    (another source, ``delta=False``) writes ``D[N:2N]`` through a view that starts inside
+    ``D``; plan A again with one element changed: ``D`` must hold plan A's values again."""
+    fused = torch.full((2 * N,), float("nan")) if rank == 1 else None
+    first, again, other = _seeded(1, (2 * N,)), _seeded(1, (2 * N,)), _seeded(3)
+    again[0] += 1
+    out = []
+    for name, value, into, delta in (("a", first, fused, True), ("b", other, None, False), ("a", again, fused, True)):
+        dst = None
+        if rank == 1:
+            dst = {name: into if into is not None else fused[N:]}
+        report = dcp_load.transfer({name: value.clone()} if rank == 0 else None, dst, delta=delta, timeout=60)
+        out.append({"reused": report.plan_reused, "received": report.bytes_received, "kept": report.bytes_kept,
+                    "wrong": _wrong(dst[name], value) if dst else 0})
+    return out

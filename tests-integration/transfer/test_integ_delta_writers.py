@@ -33,3 +33,9 @@ def test_delta_from_sources_that_are_not_row_major(kind, changes):
     steps = run_ranks(cases.strided_sources, 2, kind, changes, timeout=180, pg_timeout=120)[1]
     assert [s["wrong"] for s in steps] == [0, 0, 0], steps
     assert steps[1]["reused"] and 0 < steps[1]["received"] < steps[1]["kept"], steps  # only what changed
+
+
+def test_a_write_through_a_view_inside_the_destination_makes_the_next_delta_send_it():
+    steps = run_ranks(cases.view_overlaps_destination, 2, timeout=180, pg_timeout=120)[1]
+    assert [s["wrong"] for s in steps] == [0, 0, 0], steps
+    assert steps[2]["reused"] and steps[2]["received"] == steps[2]["kept"], steps  # plan A kept, sent whole

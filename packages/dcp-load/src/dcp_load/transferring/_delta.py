@@ -14,7 +14,7 @@ the all-reduced counts, so no rank waits on a broadcast of a size it did not exp
 
 The whole piece travels when: the plan is new (the first call of a plan sends everything;
 a changed layout or a new receiver is a new plan), a receiver's destination tensors are not
-the ones the previous call filled or another transfer wrote them since (``written``: they do
+the ones the previous call filled or another transfer wrote any of their bytes since (``_ledger``: they do
 not hold the previous values), a receiver's
 destination cannot be written through a view (not a torch tensor, or a box that takes a
 broadcast only whole), or the piece travels as float8 (FP8 blockwise destinations: a
@@ -37,6 +37,7 @@ from typing import Any
 
 from ..layouts._targets import Target
 from ..plan._digest import all_reduce
+from . import _ledger
 from ._layout import pointers
 from ._move import Pending, _numel, lazily, mine
 from ._planner import TransferPiece, TransferPlan, _rounds
@@ -51,27 +52,7 @@ from ._sparse import (
     sparse_nbytes,
 )
 
-__all__ = ["Delta", "written"]
-
-#: The last transfer that wrote each destination tensor of this process (a ``pointers``
-#: entry -> the ``Delta`` whose commit wrote it, or ``_OTHER``): a delta plan's receiver asks
-#: for every piece whole when another transfer (another kept plan into the same tensors, a
-#: ``delta=False`` refresh, a call that failed writing in place) wrote them since its last
-#: commit, since they no longer hold its previous step. Cleared past ``_WRITERS_MAX`` entries
-#: (a cleared entry only makes the next delta call send everything).
-_WRITTEN_BY: dict[Any, Any] = {}
-_OTHER = object()
-_WRITERS_MAX = 1 << 16
-
-
-def written(where: tuple[Any, ...], by: Any = _OTHER) -> None:
-    """Record that ``by`` (a ``Delta`` at its commit; any other transfer: ``_OTHER``, before it
-    writes) wrote the destination tensors at ``where``."""
-    if len(_WRITTEN_BY) + len(where) > _WRITERS_MAX:
-        _WRITTEN_BY.clear()
-    for ptr in where:
-        _WRITTEN_BY[ptr] = by
-
+__all__ = ["Delta"]
 
 def _same(a: Any, b: Any) -> bool:
     import torch
@@ -102,6 +83,8 @@ class Delta:
         self.sent: dict[int, Any] = {}  # piece index -> the values it last sent
         self.where: Any = None  # the destination tensors the previous call filled (``pointers``)
         self.filling: Any = None  # those of this call, until it is committed
+        self.spans: dict[str, Any] = {}  # their bytes (``_ledger``), and the commit's sequence number
+        self.seq = 0
         self.payloads: dict[int, Any] = {}  # piece index -> this call's positions + values (holder)
         self.updates: dict[int, Any] = {}  # piece index -> (indices, values) that changed this call
         self.moving: list[int] = []
@@ -144,8 +127,7 @@ class Delta:
         destinations are new asks for all), then per piece whether a receiver needs it whole."""
         n = len(plan.pieces)
         lanes = [0] * (2 * n)
-        where = pointers(dst)
-        moved = self.where is not None and (where != self.where or any(_WRITTEN_BY.get(p) is not self for p in where))
+        moved = self._overwritten(dst)
         self.payloads, self.updates = {}, {}
         for i, p in enumerate(plan.pieces):
             if len(p.ranks) == 1:
@@ -153,9 +135,19 @@ class Delta:
             if p.holder == self.rank:
                 lanes[i] = self._count(i, p, src[p.src])
             elif self.rank in p.receivers:
-                lanes[i] = _numel(p.sizes) if moved else 0
+                lanes[i] = _numel(p.sizes) if p.dst in moved else 0
                 lanes[n + i] = int(not _scatters(dst[p.dst], p))
         return lanes
+
+    def _overwritten(self, dst: Mapping[str, Target]) -> set[str]:
+        """The destinations that do not hold this plan's previous step: all when they are other
+        tensors than the previous call's, else those another transfer wrote since (any of
+        their bytes, through any view: ``_ledger``)."""
+        if self.where is None:
+            return set()  # the plan's first call: every piece travels anyway
+        if pointers(dst) != self.where:
+            return set(dst)
+        return _ledger.overwritten(self.spans, self, self.seq)
 
     def _choose(self, plan: TransferPlan, lanes: list[int]) -> tuple[list[int], list[tuple[int, int, int]]]:
         """(dense pieces, (sparse piece, its bytes, its changed elements)) from the all-reduced
@@ -186,10 +178,11 @@ class Delta:
         sparse ones (one all-reduce); with ``pending``, their writes into ``dst`` wait there."""
         self.dtype = platform.dtype_from_name
         lanes = self._lanes(plan, src, dst)
+        self.dtype = None  # the platform (and its group) must not outlive the plan through this Delta
         if collective:
             lanes = all_reduce(platform, lanes, "max", watch)
         dense, sparse = self._choose(plan, lanes)
-        self.filling = pointers(dst)
+        self.filling = (pointers(dst), _ledger.spans(dst))
         self.moving = dense + [i for i, _, _ in sparse]
         self.pieces, self.skipped, self.sparse = len(self.moving), len(plan.pieces) - len(self.moving), len(sparse)
         pieces = [plan.pieces[i] for i in dense]
@@ -208,8 +201,8 @@ class Delta:
         (before, a failed call would leave the copies ahead of the destinations)."""
         import torch
 
-        self.where = self.filling
-        written(self.where, self)
+        self.where, self.spans = self.filling
+        self.seq = _ledger.written(self.spans, self)
         for i in self.moving:
             p = plan.pieces[i]
             if p.holder != self.rank or len(p.ranks) == 1:
