@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time ``__getattr__`
     from .run._report import LoadReport
     from .saving._async import async_save
     from .saving._save import SaveReport, save
-    from .saving._staging import release_staging
+    from .saving._staging import prepare_staging, release_staging
     from .transferring._engine import engine_shards, tp_offsets
     from .transferring._sync_group import TransferGroup, TransferGroupError, transfer_group
     from .transferring._transfer import TransferReport, transfer
@@ -44,7 +44,7 @@ _WHERE = {
     "LoadReport": ".run._report",
     "async_save": ".saving._async",
     "SaveReport": ".saving._save", "save": ".saving._save",
-    "release_staging": ".saving._staging",
+    "prepare_staging": ".saving._staging", "release_staging": ".saving._staging",
     "engine_shards": ".transferring._engine", "tp_offsets": ".transferring._engine",
     "TransferGroup": ".transferring._sync_group", "TransferGroupError": ".transferring._sync_group",
     "transfer_group": ".transferring._sync_group",
@@ -76,6 +76,7 @@ __all__ = [
     "engine_shards",
     "flat_views",
     "load",
+    "prepare_staging",
     "read_state_dict",
     "release_staging",
     "save",
