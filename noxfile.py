@@ -54,6 +54,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = ["lint", "tests-torch", "tests-ascend", "tests-mindspore", "tests-torchtitan",
+                        "tests-frameworks",
                         "packages-alone", "docs"]
 
 
@@ -96,7 +97,7 @@ def _pytest(session: nox.Session, marker: str) -> None:
 def tests_torch(session: nox.Session) -> None:
     """Unit and multi-rank tests on torch CPU with real gloo ranks."""
     _install(session, *TEST_DEPS)
-    _pytest(session, "not mindspore and not ascend and not cuda and not torchtitan")
+    _pytest(session, "not mindspore and not ascend and not cuda and not torchtitan and not frameworks")
 
 
 @nox.session(name="tests-ascend", python=PYTHON)
@@ -118,6 +119,14 @@ def tests_torchtitan(session: nox.Session) -> None:
     """torchtitan's checkpoint manager with dcp_load.torch_compat swapped in, on gloo ranks."""
     _install(session, *TEST_DEPS, "torchtitan==0.3.0")
     _pytest(session, "torchtitan")
+
+
+@nox.session(name="tests-frameworks", python=PYTHON)
+def tests_frameworks(session: nox.Session) -> None:
+    """Accelerate and Lightning Fabric FSDP2 checkpoints with dcp_load.torch_compat swapped in, on gloo ranks."""
+    # Versions checked together with the pinned torch (TORCH).
+    _install(session, *TEST_DEPS, "accelerate==1.16.0", "lightning==2.6.6")
+    _pytest(session, "frameworks")
 
 
 @nox.session(name="tests-cuda", python=PYTHON)
