@@ -5,6 +5,7 @@ from ._scope import group_key
 from ._select import ENV_VAR, PLATFORM_NAMES, get_platform, platform_name
 from ._version import __version__
 from ._watch import HEARTBEAT_S, HEARTBEAT_THREAD, STALE_S, PeerFailure, Watch
+from .codec import ControlMessageError
 
 __all__ = [
     "ENV_VAR",
@@ -13,6 +14,7 @@ __all__ = [
     "PLATFORM_NAMES",
     "STALE_S",
     "Capabilities",
+    "ControlMessageError",
     "Handle",
     "PeerFailure",
     "Platform",

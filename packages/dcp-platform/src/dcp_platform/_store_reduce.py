@@ -26,9 +26,12 @@ a fixed 1 ms cap cost 0.05 s of CPU per 1.4 s waited (4 ranks).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from .codec import PREFIX, ControlMessageError
 
 __all__ = ["POLL_CAP_PER_RANK_S", "STORE_LANES_MAX", "STORE_REDUCE_MAX", "StoreReduction"]
 
@@ -53,8 +56,15 @@ PAUSE_MAX_S = 0.5
 _INT64 = 1 << 64
 
 
+#: A reduction's lanes on the store: the codec's version, ``lanes:``, then decimal int64s
+#: separated by commas (text, not JSON: the fold reads them as fast as before, and a value
+#: that is not exactly this shape is refused before any number is parsed).
+_LANES = PREFIX + b"lanes:"
+_LANES_RE = re.compile(rb"(?:-?[0-9]{1,19}(?:,-?[0-9]{1,19})*)?")
+
+
 def _encode(lanes: Sequence[int]) -> bytes:
-    return ",".join(str(int(v)) for v in lanes).encode()
+    return _LANES + ",".join(str(int(v)) for v in lanes).encode()
 
 
 def _checked(lanes: Sequence[int]) -> list[int]:
@@ -72,9 +82,20 @@ def _wrapped(v: int) -> int:
     return v - _INT64 if v >= 1 << 63 else v
 
 
-def _decode(blob: bytes | str) -> list[int]:
-    text = blob.decode() if isinstance(blob, bytes) else blob
-    return [int(v) for v in text.split(",")] if text else []
+def _decode(blob: Any, key: str) -> list[int]:
+    """The lanes under ``key``; ``ControlMessageError`` for anything ``_encode`` does not write."""
+    if not isinstance(blob, bytes) or not blob.startswith(_LANES):
+        writer = ("a dcp-platform before 0.6.1 (lanes without the codec's prefix)"
+                  if isinstance(blob, bytes) and _LANES_RE.fullmatch(blob) else None)
+        raise ControlMessageError(key, f"not a reduction's lanes (it starts {bytes(blob)[:12]!r})", writer=writer)
+    body = blob[len(_LANES):]
+    if len(body) > STORE_LANES_MAX * 21 or not _LANES_RE.fullmatch(body):
+        raise ControlMessageError(key, f"a reduction's lanes must be at most {STORE_LANES_MAX} decimal integers "
+                                       "separated by commas")
+    out = [int(v) for v in body.split(b",")] if body else []
+    if any(not -(1 << 63) <= v < (1 << 63) for v in out):
+        raise ControlMessageError(key, "a reduction's lane is outside int64")
+    return out
 
 
 class StoreReduction:
@@ -92,12 +113,15 @@ class StoreReduction:
         self._asked = float("-inf")  # when ``ready`` last asked the store
         self._done: list[int] | None = None
         self._mine = self._key(rank)
-        store.set(self._mine, _encode(_checked(lanes)))
+        checked = _checked(lanes)
+        self._width = len(checked)
+        store.set(self._mine, _encode(checked))
         if store.add(self._key("in"), 1) == world:  # the last one in reduces
-            parts = [_decode(b) for b in store.multi_get([self._key(r) for r in range(world)])]
+            keys = [self._key(r) for r in range(world)]
+            parts = [_decode(b, k) for b, k in zip(store.multi_get(keys), keys, strict=True)]
             width = {len(p) for p in parts}
             if len(width) != 1:
-                raise RuntimeError(f"{prefix}: ranks reduced different numbers of lanes: {sorted(width)}")
+                raise ControlMessageError(prefix, f"ranks reduced different numbers of lanes: {sorted(width)}")
             cols = zip(*parts, strict=True)
             self._done = [max(c) for c in cols] if op == "max" else [_wrapped(sum(c)) for c in cols]
             store.set(self._key("out"), _encode(self._done))
@@ -126,7 +150,11 @@ class StoreReduction:
                 time.sleep(pause)
                 late = min(PAUSE_MAX_S, LATE_SHARE * (time.monotonic() - start))
                 pause = min(2 * pause, max(cap, late))
-            self._done = _decode(self._store.get(self._key("out")))
+            out = self._key("out")
+            done = _decode(self._store.get(out), out)
+            if len(done) != self._width:
+                raise ControlMessageError(out, f"{len(done)} lanes in the result, {self._width} sent")
+            self._done = done
         self._forget()
         return self._done
 

@@ -12,7 +12,9 @@ How ranks learn of a failure, through the platform's key-value store (``Platform
   ``<name>/all``. A rank that does not arrive within ``timeout`` is named in the abort key
   by the ranks that did.
 * **Abort key** ``<name>/abort``: the first rank that fails publishes its cause (rank ->
-  causes); every waiting rank sees it within ``HEARTBEAT_S`` and raises ``PeerFailure``.
+  causes, a ``codec`` message: never a pickle); every waiting rank sees it within
+  ``HEARTBEAT_S`` and raises ``PeerFailure``. A value there that is not such a message (another
+  process wrote the key) fails the operation too, its cause naming the key.
 * **Barriers** ``<name>/b/<key>``: ``barrier(key, ranks)`` meets some ranks only (a new
   group's members before they connect), bounded like every other wait.
 * **Heartbeats** ``<name>/hb/<rank>``: every ``heartbeat_s`` while the watch is open, each
@@ -49,10 +51,8 @@ Without a store (MindSpore) nothing is bounded: waits block as the backend does.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -60,6 +60,7 @@ from typing import Any
 
 from ._base import Handle, Platform
 from ._store_reduce import STORE_LANES_MAX, STORE_REDUCE_MAX, StoreReduction
+from .codec import ControlMessageError, decode_failures, decode_ints, encode, encode_failures
 
 __all__ = ["HEARTBEAT_S", "HEARTBEAT_THREAD", "STALE_S", "PeerFailure", "Watch"]
 
@@ -178,7 +179,7 @@ class Watch:
         """Publish this operation's failure for every rank (the first publication wins)."""
         if self._store is None:
             return
-        blob = pickle.dumps({int(r): tuple(c) for r, c in failures.items()})
+        blob = encode_failures("abort", failures)
         try:
             self._store.compare_set(self._key("abort"), "", blob)
         except Exception as exc:  # noqa: BLE001 - the local error is raised anyway
@@ -188,7 +189,12 @@ class Watch:
         key = self._key("abort")
         if not self._store.check([key]):
             return None
-        return pickle.loads(self._store.get(key))
+        try:
+            return decode_failures(self._store.get(key), key=key, kind="abort", world=self.world)
+        except ControlMessageError as exc:
+            # Not a failure any rank of this operation wrote: the operation fails all the
+            # same (its abort key is no longer its own), naming the key, on every rank that reads it.
+            return {self.rank: (f"ControlMessageError: {exc}",)}
 
     def check(self) -> None:
         """Raise ``PeerFailure`` when another rank published a failure."""
@@ -264,14 +270,15 @@ class Watch:
         if self._store is None:
             return False
         key = self._key("missing")
-        return bool(self._store.check([key])) and self.rank in json.loads(self._store.get(key))
+        return bool(self._store.check([key])) and self.rank in decode_ints(self._store.get(key), key=key,
+                                                                              kind="missing", high=self.world)
 
     def _name_missing(self, timeout: float) -> None:
         """After the arrival timeout: one rank lists who is missing (one store check per
         rank, on this error path only); the others wait for its abort, then raise it."""
         if self._store.add(self._key("expired"), 1) == 1:
             missing = [r for r in range(self.world) if not self._store.check([self._key("hb", r)])]
-            self._store.set(self._key("missing"), json.dumps(missing))
+            self._store.set(self._key("missing"), encode("missing", missing))
             self.abort({r: (f"did not reach {self.name.split('/')[0]} within {timeout:g} s of "
                             f"the first rank (ranks arrived: {self.world - len(missing)} of "
                             f"{self.world})",) for r in missing})

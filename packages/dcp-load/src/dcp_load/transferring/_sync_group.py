@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
+import re
 import socket
 import time
 import uuid
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dcp_platform.codec import ControlMessageError, decode, encode
 
 from .._errors import LoadError
 
@@ -257,7 +258,7 @@ def _host(host: str, port: int, seconds: float, who: str, name: str) -> tuple[An
         raise TransferGroupError(f"transfer_group {name!r} ({who}): could not host the store on {host}:{port}: "
                                  f"{why}{type(exc).__name__}: {exc}") from exc
     nonce = uuid.uuid4().hex
-    server.set(OPEN_KEY, json.dumps({"name": name, "nonce": nonce}))
+    server.set(OPEN_KEY, encode("open", {"name": name, "nonce": nonce}))
     return server, nonce
 
 
@@ -265,7 +266,17 @@ def _open_group(server: Any) -> dict[str, Any] | None:
     """The group open on ``server``, or None (one atomic read: a key missing reads as the
     expected value, which no group's entry equals)."""
     value = server.compare_set(OPEN_KEY, "-", "-")
-    return None if value == b"-" else json.loads(value)
+    if value == b"-":
+        return None
+    body = decode(value, key=OPEN_KEY, kind="open")
+    if not (isinstance(body, dict) and set(body) == {"name", "nonce"} and isinstance(body["name"], str)
+            and isinstance(body["nonce"], str) and _NONCE.fullmatch(body["nonce"])):
+        raise ControlMessageError(OPEN_KEY, "expected {'name': str, 'nonce': 32 hex digits}")
+    return body
+
+
+#: A group's nonce (``uuid4().hex``): it becomes part of every key of the group, so nothing else is taken.
+_NONCE = re.compile(r"[0-9a-f]{32}")
 
 
 def _reach(host: str, port: int, deadline: float, seconds: float, who: str, name: str) -> tuple[Any, str]:
@@ -285,6 +296,9 @@ def _reach(host: str, port: int, deadline: float, seconds: float, who: str, name
                 server.set_timeout(timedelta(seconds=seconds))
             opened = _open_group(server)
             last = "a store answered but has no transfer group open (an earlier group's, closing, or not a group's)"
+        except ControlMessageError as exc:
+            raise TransferGroupError(f"transfer_group {name!r} ({who}): {host}:{port} holds no transfer group "
+                                     f"dcp wrote: {exc}") from exc
         except OSError:  # the plain connect: nothing listens yet
             server, last = None, "nothing listens there"
         except Exception as exc:  # noqa: BLE001 - not up yet, or gone: try again until the bound
@@ -321,7 +335,30 @@ def _await(store: Any, keys: Sequence[str], deadline: float, seconds: float, who
             raise TransferGroupError(f"transfer_group ({who}): {names} did not join within {seconds:g} s; start "
                                      "every rank of both jobs with the same host, port and name")
         time.sleep(POLL_S)
-    return [json.loads(store.get(k)) for k in keys]
+    return [_hello(store.get(k), k, who) for k in keys]
+
+
+#: A greeting's fields and their types (``_greeting``); anything else is not a greeting.
+_HELLO = {"protocol": int, "dcp_load": str, "name": str, "side": str, "rank": int, "world_sizes": list,
+          "backend": str}
+
+
+def _hello(raw: Any, key: str, who: str) -> dict[str, Any]:
+    """The greeting under ``key``, checked field by field; ``TransferGroupError`` naming the
+    key when it is not one (another process wrote it)."""
+    try:
+        body = decode(raw, key=key, kind="hello")
+        if not isinstance(body, dict) or set(body) != set(_HELLO):
+            raise ControlMessageError(key, f"a greeting has exactly the fields {sorted(_HELLO)}")
+        bad = [f for f, t in _HELLO.items() if not isinstance(body[f], t) or isinstance(body[f], bool)]
+        sizes = body["world_sizes"] if "world_sizes" not in bad else []
+        if bad or len(sizes) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) for w in sizes) \
+                or body["side"] not in SIDES or key != f"{body['side']}/{body['rank']}":
+            raise ControlMessageError(key, f"not a well-formed greeting for {key!r} (fields of the wrong type: "
+                                           f"{bad or 'side, rank or world_sizes'})")
+    except ControlMessageError as exc:
+        raise TransferGroupError(f"transfer_group ({who}): {exc}") from exc
+    return body
 
 
 _COMPARED = ("protocol", "dcp_load", "world_sizes", "backend")
@@ -349,7 +386,7 @@ def _claim(store: Any, hello: dict[str, Any], who: str) -> None:
 def _handshake(store: Any, hello: dict[str, Any], sizes: tuple[int, int], deadline: float, seconds: float,
                who: str) -> None:
     _claim(store, hello, who)
-    store.set(f"{hello['side']}/{hello['rank']}", json.dumps(hello))
+    store.set(f"{hello['side']}/{hello['rank']}", encode("hello", hello))
     for keys in (["trainer/0", "engine/0"],
                  [f"{s}/{r}" for s, n in zip(SIDES, sizes, strict=True) for r in range(n)]):
         said, fields = _disagreements(hello, _await(store, keys, deadline, seconds, who))
