@@ -14,6 +14,14 @@ written over the previous one and cut to its length (truncating the file to 0 fi
 back); a reader that meets a rewrite half done, the start of the new record over the rest of
 the old one, finds the checksum wrong and reads no record, as it would read an empty file.
 A record without the checksum line (dcp-reader < 0.6.1) is read as it is.
+
+The lock belongs to the process that took it. ``flock`` locks an open file description, which
+a forked child shares: a DataLoader worker started (fork is Linux's default) while an
+``async_save`` writes would keep the directory locked for as long as it lives, and every
+later save there was refused naming the saver's own pid. So a forked child closes its copies
+of every held lock's descriptor at once (``os.register_at_fork``): the parent's ``release``
+then drops the lock whatever children it forked meanwhile (a child forked an instant before
+``release`` closes its copy when it first runs, microseconds later).
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
+import weakref
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +47,30 @@ logger = logging.getLogger(__name__)
 # flock errors that mean "no locking here" (some network and FUSE filesystems), not "held"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _RECORD_LIMIT = 64 * 1024  # a record is ~200 bytes; more is not ours and is not read
+
+
+# The locks this process holds now: a forked child closes their descriptors (module docstring).
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+_HELD_LOCK = threading.Lock()
+
+
+def _drop_in_child() -> None:
+    """In a freshly forked child: close its copies of the held locks' descriptors (the
+    parent's stay open and locked); the child's lock objects then hold nothing."""
+    _HELD_LOCK.release()  # taken by the parent before the fork (``register_at_fork`` below)
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed by the child's own code: nothing of ours left to drop
+
+
+if hasattr(os, "register_at_fork"):
+    # The parent holds _HELD_LOCK across the fork, so that no lock is half taken in the child.
+    os.register_at_fork(before=_HELD_LOCK.acquire, after_in_parent=_HELD_LOCK.release,
+                        after_in_child=_drop_in_child)
 
 
 class WriterLockError(RuntimeError):
@@ -99,35 +133,43 @@ class WriterLock:
     def acquire(self) -> WriterLock:
         import fcntl
 
-        flags = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-        try:  # 0o666 less the umask, like the data files: in a directory a group shares, any member saves
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | flags, 0o666)
-        except PermissionError:
-            # another user's lock file: flock needs no write access, only the record is not kept
-            fd = os.open(self.file, os.O_RDONLY | flags)
-            self._readonly = True
-        try:
+        with _HELD_LOCK:  # opened and locked while no fork can copy the descriptor unseen
+            fd = self._open()
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
-                    logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
-                                   "single-writer lock: make sure no other process saves here meanwhile",
-                                   self.path, e)
-                elif e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                    raise
-                else:
-                    self._refuse(fd)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
+                        logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
+                                       "single-writer lock: make sure no other process saves here meanwhile",
+                                       self.path, e)
+                    elif e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                        raise
+                    else:
+                        self._refuse(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+            _HELD.add(self)
+        try:
             held = _read_record(fd) or {}
             last = held.get("last_commit")
             self.previous = last if isinstance(last, dict) else None
-            self._fd = fd
             self._write({"last_commit": self.previous})
         except BaseException:
-            self._fd = -1
-            os.close(fd)  # closing drops the lock if it was taken
+            self.release()  # closing drops the lock
             raise
         return self
+
+    def _open(self) -> int:
+        flags = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:  # 0o666 less the umask, like the data files: in a directory a group shares, any member saves
+            return os.open(self.file, os.O_RDWR | os.O_CREAT | flags, 0o666)
+        except PermissionError:
+            # another user's lock file: flock needs no write access, only the record is not kept
+            self._readonly = True
+            return os.open(self.file, os.O_RDONLY | flags)
 
     def _refuse(self, fd: int) -> None:
         holder = _read_record(fd)
@@ -155,7 +197,9 @@ class WriterLock:
 
     def release(self) -> None:
         """Drop the lock (idempotent); the record stays for the next writer to read."""
-        fd, self._fd = self._fd, -1
+        with _HELD_LOCK:
+            fd, self._fd = self._fd, -1
+            _HELD.discard(self)
         if fd >= 0:
             os.close(fd)  # closing the only descriptor drops the flock
 
