@@ -487,3 +487,27 @@ def delta_colocated(rank: int, world: int) -> dict[str, Any]:
         out[f"step{step}"] = {"received": report.bytes_received, "copied": report.bytes_copied,
                               "exact": torch.equal(dst["w"], now)}
     return out
+
+
+def trainer_dies_mid_transfer(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Trainer rank 1 plans with the others, then exits as the data starts to move: the
+    engine ranks wait in a broadcast of a group of three (trainer rank 1 and both engine
+    ranks). Each survivor's error, and the release of the failed call (its groups
+    destroyed), come within the call's timeout, not the platform's default group bound."""
+    from dcp_load.transferring import _transfer
+
+    group = join(side, rank, port, sizes)
+    if side == "trainer" and rank == 1:
+        _transfer.move = lambda *args, **kwargs: os._exit(3)
+    mesh = init_device_mesh("cpu", (world,))
+    src = {"w": distribute_tensor(truth("wo"), mesh, [Shard(0)])} if side == "trainer" else {}
+    dst = {"w": torch.full(SHAPES["wo"], float("nan"))} if side == "engine" else {}
+    start = time.monotonic()
+    message = None
+    try:
+        dcp_load.transfer(src, dst, process_group=group, timeout=5)
+    except dcp_load.LoadError as exc:
+        message, raised = str(exc), time.monotonic() - start
+    out = {"message": message, "raised": raised if message else None, "released": time.monotonic() - start}
+    linger(group, side, rank, 3)
+    return out

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 from dcp_platform import PeerFailure
@@ -69,9 +70,12 @@ def check_arguments(checkpoint_id: Any, storage_reader: Any, broadcast: Any, gro
                          f"got {batch_bytes!r}")
 
 
-def resolve_platform(platform: Any, leaves: Any, process_group: Any = None) -> Any:
+def resolve_platform(platform: Any, leaves: Any, process_group: Any = None, group_timeout: float | None = None) -> Any:
     """The platform given (object or name), else chosen from $DCP_PLATFORM or the first
-    tensor; with ``process_group``, the torch (or Ascend) platform over that group."""
+    tensor; with ``process_group``, the torch (or Ascend) platform over that group.
+    ``group_timeout`` (seconds): the bound of every group the platform creates (a call's own
+    timeout), so that a broadcast left behind by a failed call ends within it, and releasing
+    its group does not wait for the platform's default of minutes."""
     from dcp_platform import Platform, get_platform, platform_name
 
     if isinstance(platform, Platform):
@@ -91,12 +95,14 @@ def resolve_platform(platform: Any, leaves: Any, process_group: Any = None) -> A
                     pass  # an unsupported tensor type: target_for reports it through the exchange
                 break
     name = platform or "torch"
+    options = ({"group_timeout": timedelta(seconds=group_timeout)}
+               if group_timeout is not None and name in ("torch", "ascend") else {})
     if process_group is None:
-        return get_platform(name)
+        return get_platform(name, **options)
     if name not in ("torch", "ascend"):
         raise ValueError(f"process_group= is a torch.distributed process group, which the {name!r} platform "
                          "cannot use; drop process_group= (MindSpore: its communication groups are not supported)")
-    return get_platform(name, group=process_group)
+    return get_platform(name, group=process_group, **options)
 
 
 def want_flags(target: Target, caps: Any, broadcast: bool) -> int:

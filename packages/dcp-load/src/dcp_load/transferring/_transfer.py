@@ -33,7 +33,8 @@ from ..run._coordinate import (
     unusable_cause,
 )
 from ..run._validate import exchange
-from ._delta import Delta, written
+from . import _ledger
+from ._delta import Delta
 from ._fp8 import plan_layouts
 from ._kept import agree, forget, group_object, keep
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
@@ -173,7 +174,9 @@ def transfer(
     refused_together("transfer", slot, process_group, lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
     start = time.perf_counter()
     src_side, dst_side, errors = side_of("src", src), side_of("dst", dst), []
-    source_map, platform = _resolve(sources, platform, [*src_side.leaves, *dst_side.leaves], process_group, errors)
+    bound = None if timeout is None else timeout_seconds(timeout, "transfer")
+    source_map, platform = _resolve(sources, platform, [*src_side.leaves, *dst_side.leaves], process_group, errors,
+                                    bound)
     coord = Coordinator(platform, collective=platform.is_distributed(), operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
     settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES, bool(delta))
@@ -209,9 +212,10 @@ class _Writes:
 
 
 def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any], process_group: Any,
-             errors: list[str]) -> tuple[SourceMap | None, Any]:
+             errors: list[str], bound: float | None) -> tuple[SourceMap | None, Any]:
     """(the parsed ``sources``, the platform) of a transfer; a problem with either is appended to
-    ``errors`` (reported through the exchange, so that no rank waits for this one)."""
+    ``errors`` (reported through the exchange, so that no rank waits for this one). ``bound``:
+    the call's timeout, which also bounds every group the platform creates for it."""
     source_map = None
     if sources is not None:
         try:
@@ -219,7 +223,7 @@ def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any]
         except (TypeError, ValueError) as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     try:
-        platform = resolve_platform(platform, leaves, process_group)
+        platform = resolve_platform(platform, leaves, process_group, group_timeout=bound)
     except Exception as exc:  # noqa: BLE001 - reported through the exchange
         platform = fallback_platform(exc, process_group)
         errors.append(f"choosing the platform failed: {type(exc).__name__}: {exc}")
@@ -277,7 +281,7 @@ def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str,
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
         if entry.delta is None or not entry.delta.committed:  # written in place: other delta plans see it
-            written(pointers(dst))
+            _ledger.written(_ledger.spans(dst))
         if entry.delta is None:
             return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
                         groups=entry.groups, watch=coord.waiter), None
@@ -323,7 +327,8 @@ def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
     """``transfer``: wait for every rank, agree on a kept plan or plan anew, move, check, write."""
     coord.phase = "validate"
     coord.arrive()
-    key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"))
+    # the call's timeout in the key: a kept plan's groups were made with its call's bound
+    key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"), coord.timeout)
     entry, kept_after = agree(platform, collective, key, failed=bool(errors) or unusable_cause(platform) is not None,
                               keep_plan=keep_plan, watch=coord.waiter)
     reused = entry is not None
