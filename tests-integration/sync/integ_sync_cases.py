@@ -511,3 +511,29 @@ def trainer_dies_mid_transfer(rank: int, world: int, side: str, port: int, sizes
     out = {"message": message, "raised": raised if message else None, "released": time.monotonic() - start}
     linger(group, side, rank, 3)
     return out
+
+
+def _sockets() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+               if os.path.islink(f"/proc/self/fd/{fd}"))
+
+
+def delta_close_cycles(rank: int, world: int, side: str, port: int, sizes: tuple[int, int]) -> dict[str, Any]:
+    """Three cycles of join, two ``delta=True`` transfers into new destinations, ``close()``:
+    the sockets this process holds after each cycle (a closed group's store and backends
+    released) do not grow from cycle to cycle."""
+    import gc
+
+    mesh = init_device_mesh("cpu", (world,))
+    counts = []
+    for _ in range(3):
+        group = join(side, rank, port, sizes)
+        src = {"w": distribute_tensor(truth("wo"), mesh, [Shard(0)])} if side == "trainer" else {}
+        dst = {"w": torch.empty(SHAPES["wo"])} if side == "engine" else {}
+        for _ in range(2):
+            dcp_load.transfer(src, dst, process_group=group, delta=True, timeout=60)
+        group.close()
+        del group, src, dst
+        gc.collect()
+        counts.append(_sockets())
+    return {"sockets": counts}

@@ -178,3 +178,10 @@ def test_a_trainer_rank_that_dies_while_data_moves_releases_the_engine_within_th
     for r in [trainer[0], *engine]:
         assert r["message"] and "rank 1" in r["message"], r
         assert r["raised"] < 30 and r["released"] < 30, r
+
+
+def test_close_after_delta_transfers_releases_the_groups_sockets():
+    trainer, engine = run_jobs(cases.delta_close_cycles)
+    for r in [*trainer, *engine]:
+        first, *later = r["sockets"]
+        assert all(n <= first for n in later), r
