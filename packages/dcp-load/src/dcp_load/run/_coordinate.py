@@ -245,7 +245,8 @@ class Coordinator:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if self.watch is None:
             return False
-        if exc is not None and (self.watch.interrupted or (self.phase == "execute" and not self._shared)):
+        if exc is not None and (self.watch.interrupted or (self.phase == "execute" and not self._shared
+                                                            and not self._foreign(exc))):
             # A collective may be left unfinished (module docstring).
             _mark_unusable(self.platform, f"{self.watch.name} failed in phase {self.phase!r} with a collective unfinished "
                            f"({type(exc).__name__}: {str(exc)[:200]})")
@@ -259,6 +260,14 @@ class Coordinator:
         if exc is not None and self._is_peer(exc):
             raise self._load_error(exc) from exc
         return False
+
+    @staticmethod
+    def _foreign(exc: BaseException) -> bool:
+        """A store value another process wrote: raised between collectives, by a store
+        read that leaves none pending (``Watch.reduced``, the abort and outcome keys)."""
+        from dcp_platform import ControlMessageError
+
+        return isinstance(exc, ControlMessageError)
 
     @staticmethod
     def _is_peer(exc: BaseException) -> bool:
