@@ -283,7 +283,10 @@ def agree(platform: Any, *, equal: Sequence[tuple[int, str]], derivable: bool, f
     if failed_any or not derivable_all:  # a rank failed or cannot derive: the gathered path
         return Agreement(False, False)
     if not all(flags[:n]) or _join(sums[at + 4], sums[at + 5]) != 0:
-        raise LoadError(_differences(platform, list(zip(equal, shown, strict=True)), entries, watch), "validate")
+        differ = _differences(platform, list(zip(equal, shown, strict=True)), entries, watch)
+        if not differ:  # plain tensors only some ranks hold (per-rank keys): the gathered wants plan them
+            return Agreement(False, False)
+        raise LoadError(differ, "validate")
     if counted and _counted_twice(platform, entries, rank, world, nonce % PRIME, watch):
         logger.debug("rank %d: a tensor is held on two meshes (tied weights); gathering wants", rank)
         return Agreement(False, False)
@@ -389,18 +392,36 @@ def _differences(platform: Any, equal: Sequence[tuple[int, str]], entries: Seque
     layout = _layout_differences(details)
     for r, causes in layout.items():
         out.setdefault(r, []).extend([*causes, LAYOUT_HINT])
+    if not out and _plain_held_by_some(details):
+        return {}
     if not out:  # a hash collision cannot explain a mismatch the details do not show
         out = {r: ["the plan digests differ", LAYOUT_HINT] for r in range(len(details))}
     return out
 
 
+def _plain(spec: tuple[Any, ...]) -> bool:
+    """Whether an entry's ``_summary`` is a plain tensor's (derived as held by every rank)."""
+    return spec[3] == _layout_hash(("plain",))
+
+
+def _plain_held_by_some(details: Sequence[Any]) -> bool:
+    """Whether a plain tensor is held by some ranks only, alike where held: a key of each
+    rank's own (per-rank RNG or dataloader state), which each holder loads whole."""
+    claims = [held for _, held in details]
+    return any(_plain(spec) and not all(name in h for h in claims)
+               for held in claims for name, (spec, _) in held.items())
+
+
 def _layout_differences(details: Sequence[Any]) -> dict[int, list[str]]:
-    """Per rank, the entries it holds differently from the other ranks (or lacks)."""
+    """Per rank, the entries it holds differently from the other ranks (or lacks). A plain
+    tensor that some ranks lack is no difference (``_plain_held_by_some``)."""
     out: dict[int, list[str]] = {}
     names = sorted({name for _, held in details for name in held})
     for name in names:
         claims = {r: held[name] for r, (_, held) in enumerate(details) if name in held}
         (spec, holders), _ = Counter(claims.values()).most_common(1)[0]
+        if _plain(spec) and len(set(claims.values())) == 1:
+            continue
         for r, claim in claims.items():
             if claim != (spec, holders):
                 out.setdefault(r, []).append(f"entry {name!r} differs from other ranks' (shape, dtype, "
