@@ -9,9 +9,10 @@ import (README, "Coming from torch.distributed.checkpoint"):
   a ``dcp_reader.CheckpointReader`` is used as it is; any other class (a reader that
   transforms what it reads, such as ``QuantizedHuggingFaceStorageReader``) is refused,
   naming it.
-* ``storage_writer``: torch's ``FileSystemWriter`` and ``FsspecWriter``: dcp writes its
-  native format into their path; others (``HuggingFaceStorageWriter``: Hugging Face files)
-  are refused, naming the class and what to do instead.
+* ``storage_writer``: torch's ``FileSystemWriter`` and ``FsspecWriter``: dcp writes into
+  their path (the format ``format=`` names; ``torch_compat`` asks for torch's); their options
+  are honoured or refused by name (``writer_options``); others (``HuggingFaceStorageWriter``:
+  Hugging Face files) are refused, naming the class and what to do instead.
 * ``planner``: torch's ``DefaultLoadPlanner`` (``allow_partial_load=True`` is
   ``strict=False``) and ``DefaultSavePlanner`` (dcp writes each replicated box once, as its
   dedup does) are accepted; a subclass or another planner is refused, naming it, since its
@@ -24,9 +25,46 @@ A refusal is a ``TypeError`` or ``ValueError`` raised before any rank waits: ``l
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["load_arguments", "load_source", "save_arguments", "save_planner", "save_target", "strictness"]
+__all__ = ["NATIVE", "WriterOptions", "load_arguments", "load_source", "save_arguments", "save_planner", "save_target",
+           "strictness", "writer_options"]
+
+#: ``save(format=...)`` names and the dcp-reader format each writes
+FORMATS = {"native": "native", "torch_dcp": "torch-dcp", "torch-dcp": "torch-dcp"}
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """What a save writes: the format (``"native"`` or ``"torch-dcp"``) and whether an
+    existing checkpoint may be replaced (torch's ``FileSystemWriter(overwrite=...)``)."""
+
+    format: str = "native"
+    overwrite: bool = True
+
+    def writer(self, path: str, allow_pickle: bool) -> Any:
+        """The dcp-reader writer of this format into ``path``."""
+        if self.format == "torch-dcp":
+            from dcp_reader.write import TorchDcpWriter
+
+            return TorchDcpWriter(path, allow_pickle=allow_pickle)
+        from dcp_reader import NativeWriter
+
+        return NativeWriter(path, allow_pickle=allow_pickle)
+
+    def data_file_name(self, rank: int, save_id: str) -> str:
+        """The name of rank ``rank``'s data file in the save ``save_id`` (the same on every rank)."""
+        if self.format == "torch-dcp":
+            from dcp_reader.write import TorchDcpWriter
+
+            return TorchDcpWriter.data_file_name(rank, save_id)
+        from dcp_reader import data_file_name
+
+        return data_file_name(rank, save_id)
+
+
+NATIVE = WriterOptions()
 
 #: torch's readers whose files dcp reads itself, from the path they hold.
 _READERS = {"FileSystemReader", "HuggingFaceStorageReader", "FsspecReader", "_FileSystemReader"}
@@ -126,3 +164,35 @@ def save_arguments(checkpoint_id: Any, storage_writer: Any, planner: Any, use_co
                          "checkpoint together (one writer per box, rank 0 commits the metadata); pass no_dist=True "
                          "with a directory of each rank's own to save without collectives")
     return save_target(checkpoint_id, storage_writer, what)
+
+
+# What dcp does instead of each torch FileSystemWriter option it accepts without a setting of
+# its own (README, "Coming from torch.distributed.checkpoint"): every file is synced before the
+# metadata is written (the commit order needs it); each writing rank writes one file, in one
+# sequential stream; the staging pool of async_save is kept from save to save.
+_DONE_OTHERWISE = ("sync_files", "single_file_per_rank", "thread_count", "per_thread_copy_ahead",
+                   "cache_staged_state_dict")
+
+
+def writer_options(storage_writer: Any, format: str, what: str) -> WriterOptions:  # noqa: A002
+    """The format and options a save writes with: ``format`` (a name of ``FORMATS``) and
+    torch's ``FileSystemWriter`` options, each honoured (``overwrite``,
+    ``serialization_format=TORCH_SAVE``) or done otherwise (``_DONE_OTHERWISE``); an option dcp
+    cannot honour is refused by name (ValueError), before anything is written."""
+    if not isinstance(format, str) or format not in FORMATS:
+        raise ValueError(f"{what}: format={format!r} is not a format dcp writes; pass one of "
+                         f"{sorted(set(FORMATS) - {'torch-dcp'})}")
+    fmt = FORMATS[format]
+    if storage_writer is None or _torch_class(storage_writer) not in _WRITERS:
+        return WriterOptions(fmt)
+    serialization = getattr(getattr(storage_writer, "serialization_format", None), "value", "torch_save")
+    if serialization != "torch_save":
+        raise ValueError(f"{what}: storage_writer has serialization_format={serialization!r}, which dcp does not "
+                         "write: pass SerializationFormat.TORCH_SAVE (torch's default, which every torch release "
+                         "reads), or save in dcp's native format (safetensors data files)")
+    extensions = tuple(getattr(getattr(storage_writer, "transforms", None), "extensions", ()) or ())
+    if extensions:
+        names = [type(e).__name__ for e in extensions]
+        raise ValueError(f"{what}: storage_writer has _extensions={names}, which dcp does not apply: nothing was "
+                         "written. Save without _extensions (torch's readers read uncompressed files as well)")
+    return WriterOptions(fmt, overwrite=bool(getattr(storage_writer, "overwrite", True)))

@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,10 +38,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from dcp_platform import PeerFailure
+from dcp_platform.codec import decode, decode_failures, decode_strings, encode, encode_failures
 
 from .._errors import LoadError
 from ..run._coordinate import MIN_STALL_S, Coordinator, refused_together
-from ..run._torch_args import save_arguments
+from ..run._torch_args import NATIVE, WriterOptions, save_arguments, writer_options
 from ._future import SaveFuture
 from ._queue import InFlight, begin
 from ._save import PlannedSave, SaveReport, box_data, commit, plan_save, resolve_save, save_slot, write_files
@@ -72,6 +72,7 @@ def async_save(
     async_checkpointer_type: Any = None,
     async_stager: Any = None,
     use_collectives: bool = True,
+    format: str = "native",  # noqa: A002 - save's name
 ) -> Future[SaveReport]:
     """``save``, returning once every value it writes is copied: a ``Future`` whose
     ``result()`` is this rank's ``SaveReport``, or raises the ``LoadError`` that names every
@@ -89,18 +90,19 @@ def async_save(
     ``save``; ``async_checkpointer_type`` and ``async_stager`` are accepted and stand for what
     dcp does instead (a thread writes; only the boxes this rank writes are staged, into a
     reused pool). The future also has torch's ``staging_completion`` (done at return) and
-    ``upload_completion`` (itself).
+    ``upload_completion`` (itself). ``format``: as for ``save`` (``"torch_dcp"``: torch's files).
     """
     del async_checkpointer_type, async_stager  # README "Coming from torch.distributed.checkpoint"
     start = time.perf_counter()
     slot = save_slot(no_dist, process_group)
-    path, leaves, platform, wait_s, collective = refused_together("save", slot, process_group, lambda: _resolve(
-        state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist, "async_save"),
-        no_dist, platform, timeout, process_group))
+    path, leaves, platform, wait_s, collective, options = refused_together("save", slot, process_group, lambda: (
+        *_resolve(state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist,
+                                             "async_save"), no_dist, platform, timeout, process_group),
+        writer_options(storage_writer, format, "async_save")))
     inflight, _ = begin(path)  # the wait counts in blocked_seconds
     try:
         future, job = _snapshot(platform, collective, wait_s, leaves, path, allow_pickle, no_dist, start, inflight,
-                                slot)
+                                slot, options)
     except BaseException:
         inflight.done.set()
         raise
@@ -122,14 +124,14 @@ def _resolve(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: bool, p
 
 
 def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any], path: str, allow_pickle: bool,
-              no_dist: bool, start: float, inflight: InFlight, slot: int | None
+              no_dist: bool, start: float, inflight: InFlight, slot: int | None, options: WriterOptions = NATIVE
               ) -> tuple[Future[SaveReport], Callable[[], None]]:
     """The caller's part: checks, exchange, copies. Returns the future and its job."""
     with contextlib.ExitStack() as stack:
         coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save",
                                                 slot=slot))
         coord.arrive()
-        planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist)
+        planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist, options)
         if planned.me == 0:
             logger.info("async_save %s into %s: started (%d tensors, %d bytes)", planned.save_id, path,
                         *planned.counts)
@@ -159,7 +161,7 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
 
 
 def _plan(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str, allow_pickle: bool,
-          no_dist: bool) -> PlannedSave:
+          no_dist: bool, options: WriterOptions = NATIVE) -> PlannedSave:
     """``plan_save``, copying the boxes this rank wrote last time with the same holdings
     while the ranks agree (the pool is free again when the plan fails)."""
     early: list[Any] = []
@@ -172,7 +174,8 @@ def _plan(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any]
         return early[-1]
 
     try:
-        return plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist, while_agreeing=stage_early)
+        return plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist, while_agreeing=stage_early,
+                         options=options)
     except BaseException:
         if early:
             POOL.done()
@@ -291,7 +294,9 @@ def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[
     store, watch, world = coord.watch.store, coord.watch, planned.world
     base = f"{watch.name}/fin"
     mine = f"{base}/w/{planned.me}"
-    store.set(mine, pickle.dumps(list(errors)))
+    # Messages through the store are the codec's JSON, never pickles: any process that
+    # reaches the store's port can write these keys (dcp_platform.codec).
+    store.set(mine, encode("save-errors", list(errors)))
     if errors:
         store.add(f"{base}/bad", 1)
     store.add(f"{base}/n", 1)
@@ -303,21 +308,27 @@ def _agree_through_store(coord: Coordinator, planned: PlannedSave, errors: list[
         else:
             failures = {}
             if store.add(f"{base}/bad", 0):
-                failures = {r: e for r in range(world) if (e := pickle.loads(store.get(f"{base}/w/{r}")))}
+                failures = {r: e for r in range(world) if (e := _errors_of(store, f"{base}/w/{r}"))}
         if not failures:
             commit(planned.writer, planned.lock, planned.metadata(value_meta), errors)
             if errors:
                 failures = {0: list(errors)}
-        store.set(f"{base}/outcome", pickle.dumps(failures))
+        store.set(f"{base}/outcome", encode_failures("save-outcome", failures))
         _until_read(watch, store, base, world, max(wait_s, MIN_STALL_S))
     else:
         _poll(watch, lambda: store.check([f"{base}/outcome"]), None)
-        failures = pickle.loads(store.get(f"{base}/outcome"))
+        failures = {r: list(c) for r, c in decode_failures(store.get(f"{base}/outcome"), key=f"{base}/outcome",
+                                                               kind="save-outcome", world=world).items()}
     store.delete_key(mine)
     if store.add(f"{base}/seen", 1) >= world:  # the last reader removes the shared keys
         for key in ("n", "bad", "outcome", "seen"):
             store.delete_key(f"{base}/{key}")
     return failures
+
+
+def _errors_of(store: Any, key: str) -> list[str]:
+    """One rank's write errors as it published them under ``key`` (a codec message)."""
+    return decode_strings(decode(store.get(key), key=key, kind="save-errors"), key=key)
 
 
 def _until_read(watch: Any, store: Any, base: str, world: int, bound_s: float) -> None:

@@ -39,7 +39,7 @@ from ..layouts._targets import in_mesh
 from ..plan._items import GreedyPlanner, ReadItem
 from ..run._coordinate import Coordinator, next_slot, refused_together, scope_of, timeout_seconds
 from ..run._shared_open import local_storage
-from ..run._torch_args import save_arguments
+from ..run._torch_args import NATIVE, WriterOptions, save_arguments, writer_options
 from ..run._validate import check_launch, exchange, summarise
 from . import _agreed as agreed
 from ._queue import wait_for_previous
@@ -79,10 +79,12 @@ class SaveReport:
             raise ValueError("SaveReport counts must be >= 0")
 
 
-def _layout(gathered: list[Any], save_id: str) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
+def _layout(gathered: list[Any], save_id: str, data_file_name: Callable[[int, str], str]
+            ) -> tuple[dict[str, Any], dict[int, list[ReadItem]], dict[int, list[str]]]:
     """(tensor metadata by name, items each rank writes, errors by offending rank) from
-    every rank's holdings (the same on every rank)."""
-    from dcp_reader import ChunkMeta, TensorMeta, chunk_key, data_file_name
+    every rank's holdings (the same on every rank); ``data_file_name(rank, save_id)``: the
+    format's name of a rank's data file."""
+    from dcp_reader import ChunkMeta, TensorMeta, chunk_key
 
     errors: dict[int, list[str]] = {}
     info: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -132,8 +134,10 @@ def save(
     storage_writer: Any = None,
     planner: Any = None,
     use_collectives: bool = True,
+    format: str = "native",  # noqa: A002 - the name torch users and dcp's CLI know
 ) -> SaveReport:
-    """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format.
+    """Write ``state_dict`` to the directory ``checkpoint_id`` in the native format, or in
+    torch.distributed.checkpoint's own format with ``format="torch_dcp"``.
 
     Call on every rank. Holds the same entries ``load`` takes (DTensors, plain tensors,
     ``Chunk``, nested dicts and lists, non-tensor values). Boxes held identically by
@@ -152,16 +156,22 @@ def save(
     do not call. A rank whose arguments are refused here tells the others at once.
     ``storage_writer``, ``planner``, ``use_collectives``: torch DCP's, as README "Coming from
     torch.distributed.checkpoint" says (the directory of torch's ``FileSystemWriter``...).
+
+    ``format``: ``"native"`` (dcp's: safetensors data files, JSON metadata) or
+    ``"torch_dcp"`` (torch's ``.metadata`` and ``.distcp`` files, which torch DCP's ``load``,
+    ``FileSystemReader`` and ``format_utils`` read; each replicated box still written once,
+    the metadata still last, block checksums in ``dcp-checksums.json``).
     """
     start = time.perf_counter()
     slot = save_slot(no_dist, process_group)
-    path, leaves, platform, wait_s, collective = refused_together("save", slot, process_group, lambda: resolve_save(
-        state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist, "save"),
-        no_dist, platform, timeout, process_group=process_group))
+    path, leaves, platform, wait_s, collective, options = refused_together("save", slot, process_group, lambda: (
+        *resolve_save(state_dict, save_arguments(checkpoint_id, storage_writer, planner, use_collectives, no_dist,
+                                                 "save"), no_dist, platform, timeout, process_group=process_group),
+        writer_options(storage_writer, format, "save")))
     wait_for_previous("save", path)
     with Coordinator(platform, collective=collective, timeout=wait_s, operation="save", slot=slot) as coord:
         coord.arrive()
-        planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist)
+        planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist, options=options)
         try:
             return _save(coord, planned, start)
         finally:
@@ -256,7 +266,7 @@ class PlannedSave:
         from dcp_reader import CheckpointMetadata
 
         tensors = self.tensors if self.rename is None else agreed.renamed(self.tensors, *self.rename)
-        return CheckpointMetadata(tensors=tensors, values=value_meta, format="native")
+        return CheckpointMetadata(tensors=tensors, values=value_meta, format=self.writer.format)
 
     def report(self, written: int, nbytes: int, seconds: float, **timings: Any) -> SaveReport:
         return SaveReport(rank=self.rank, world_size=self.world, path=self.path, tensors=self.counts[0],
@@ -265,8 +275,8 @@ class PlannedSave:
 
 
 def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[Any], path: str,
-              allow_pickle: bool, no_dist: bool, while_agreeing: Callable[..., Any] | None = None
-              ) -> PlannedSave:
+              allow_pickle: bool, no_dist: bool, while_agreeing: Callable[..., Any] | None = None,
+              options: WriterOptions = NATIVE) -> PlannedSave:
     """Every check of a save, once every rank arrived; ``LoadError`` on every rank when any
     rank failed one (rank 0's lock is then released). Nothing is written here.
 
@@ -274,22 +284,22 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
     same holdings (``_agreed``), with those boxes ({chunk key: values}) while the ranks
     agree; ``stop()`` turns True once the agreement completed with other boxes (stop then:
     a rank that gathers waits). What it returns is the plan's ``early`` (``async_save``
-    copies the boxes there)."""
-    from dcp_reader import NativeWriter
-
+    copies the boxes there). ``options``: the format and torch writer options
+    (``run._torch_args.writer_options``)."""
     rank = platform.rank()
     me = rank if collective else 0
     errors: list[str] = []
     writer = lock = encoded = save_id = None
     try:
-        writer = NativeWriter(path, allow_pickle=allow_pickle)
+        writer = options.writer(path, allow_pickle)
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")
     holdings, targets, values = _hold(leaves, errors)
     early = None
     try:
         if me == 0 and writer is not None:
-            lock, encoded, save_id = _prepare(writer, values, no_dist, errors)
+            writer.planner_data = {leaf.name: leaf.keys for leaf in leaves}
+            lock, encoded, save_id = _prepare(writer, values, no_dist, errors, options)
         world = platform.world_size() if collective else 1
         remembered = None
         if collective:  # the same holdings as a save before: one all-reduce instead of a gathering
@@ -298,7 +308,7 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
             early = _while(pending, while_agreeing, targets)
             remembered = pending.result()
         planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path), errors, world,
-                           me, getattr(platform, "group_key", "world"))
+                           me, getattr(platform, "group_key", "world"), options.data_file_name)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -322,7 +332,7 @@ def _while(pending: Any, while_agreeing: Any, targets: dict[str, Any]) -> Any:
 
 
 def _planned(coord: Coordinator, collective: bool, remembered: tuple[Any, str] | None, payload: tuple[Any, ...],
-             errors: list[str], world: int, me: int, scope: str
+             errors: list[str], world: int, me: int, scope: str, data_file_name: Callable[[int, str], str]
              ) -> tuple[dict[str, Any], list[ReadItem], str, tuple[int, int], tuple[str, str] | None]:
     """(tensors, this rank's items, save id, (tensors, job bytes), rename) of the remembered
     layout every rank agreed (its checks passed when it was made), or of a full exchange (a
@@ -336,7 +346,7 @@ def _planned(coord: Coordinator, collective: bool, remembered: tuple[Any, str] |
         return tensors, list(entry.mine), save_id, (entry.n_tensors, entry.job_bytes), rename
     gathered = coord.exchange(exchange, errors, "save", collective=collective, payload=payload)
     save_id = gathered[0][2]  # rank 0's: every rank names the files alike
-    tensors, per_rank, failures = _layout(gathered, save_id)
+    tensors, per_rank, failures = _layout(gathered, save_id, data_file_name)
     _agree(gathered, tensors, failures)
     if failures:
         raise LoadError(failures, "save")
@@ -403,7 +413,8 @@ def _save(coord: Coordinator, planned: PlannedSave, start: float) -> SaveReport:
     return planned.report(len(planned.mine), nbytes, seconds, write_seconds=write_s)
 
 
-def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[str]) -> tuple[Any, Any, str]:
+def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[str], options: WriterOptions
+             ) -> tuple[Any, Any, str]:
     """Rank 0, before anything is written: (the directory's write lock, the serialised
     values, a new save id); every refusal is recorded in ``errors``."""
     from dcp_reader import WriterLockError
@@ -414,7 +425,7 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     except (TypeError, ValueError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     note = _launch_note(no_dist)
-    foreign = _other_format(writer.path)
+    foreign = _other_format(writer.path, writer.format, options.overwrite)
     if foreign:
         errors.append(foreign)
         return None, encoded, _new_save_id(writer.path)
@@ -427,21 +438,25 @@ def _prepare(writer: Any, values: dict[str, Any], no_dist: bool, errors: list[st
     return lock, encoded, _new_save_id(writer.path)
 
 
-def _other_format(path: str) -> str | None:
-    """The refusal when ``path`` holds a checkpoint of another format: a native one beside
-    it would hide it from ``load`` (the native metadata is detected first), and a killed
-    save's data files can make it undetectable."""
+def _other_format(path: str, mine: str = "native", overwrite: bool = True) -> str | None:
+    """The refusal when ``path`` holds a checkpoint of another format than ``mine`` (one
+    beside it would hide it from ``load``, or be hidden, and a killed save's data files can
+    make it undetectable), or any checkpoint when ``overwrite`` is False (torch's
+    ``FileSystemWriter(overwrite=False)``)."""
     from dcp_reader import CheckpointError, detect_format
 
     try:
         fmt = detect_format(path)
     except CheckpointError:
-        return None  # no checkpoint, or an unfinished native save: nothing to hide
-    if fmt == "native":
+        return None  # no checkpoint, or an unfinished save: nothing to hide
+    if not overwrite:
+        return (f"{path} already holds a {fmt} checkpoint and the storage_writer has overwrite=False: nothing "
+                "was written and that checkpoint is kept. Save into another directory, or pass overwrite=True")
+    if fmt == mine:
         return None
-    return (f"{path} holds a {fmt} checkpoint: a native checkpoint saved into the same directory would hide "
-            "it from load (dcp-metadata.json is detected first). Save into another directory (for example "
-            "a subdirectory), or move that checkpoint away first")
+    return (f"{path} holds a {fmt} checkpoint: a {mine} checkpoint saved into the same directory would hide it "
+            "from load or be hidden by it. Save into another directory (for example a subdirectory), or move "
+            "that checkpoint away first")
 
 
 def _new_save_id(path: str) -> str:
@@ -488,12 +503,13 @@ def write_files(planned: PlannedSave, data: dict[str, Any], errors: list[str]) -
 
     files: list[str] = []
     value_meta: dict[str, Any] = {}
+    writer = planned.writer
     try:
         if data:
-            files.append(data_file_name(planned.me, planned.save_id))
-            planned.writer.write_file(files[-1], data)
+            files.append(getattr(writer, "data_file_name", data_file_name)(planned.me, planned.save_id))
+            writer.write_file(files[-1], data)
         if planned.me == 0:
-            files.append(values_file_name(planned.save_id))
+            files.append(getattr(writer, "values_file_name", values_file_name)(planned.save_id))
             value_meta = planned.writer.write_values(planned.encoded, file_name=files[-1])
     except Exception as exc:  # noqa: BLE001 - reach the exchange so that every rank raises
         errors.append(f"{type(exc).__name__}: {exc}")

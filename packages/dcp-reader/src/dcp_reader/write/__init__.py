@@ -1,3 +1,6 @@
-"""Writing the native format: data files with block checksums, values, and the writer lock. Imports `storage`, `formats` and the model."""
+"""Writing checkpoints: the native format (data files with block checksums, values, the writer
+lock) and torch DCP's own format. Imports `storage`, `formats` and the model."""
 
-__all__: list[str] = []
+from ._torch_dcp_writer import CHECKSUMS_FILE, TorchDcpWriter, torch_dcp_own_file
+
+__all__ = ["CHECKSUMS_FILE", "TorchDcpWriter", "torch_dcp_own_file"]
