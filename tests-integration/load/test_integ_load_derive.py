@@ -83,9 +83,13 @@ def test_a_different_layout_raises_on_every_rank(results):
     for o in outs:
         assert o["phase"] == "validate" and o["poisoned"]
         assert 3 in o["failures"] and "differs from other ranks'" in o["message"]
+
+
+def test_a_plain_tensor_one_rank_alone_holds_is_loaded_by_that_rank(results):
+    # torch DCP loads a key only some ranks hold (per-rank RNG or dataloader state) for each
+    # holder; the values were checked against the checkpoint's inside the ranks.
     outs = _case(results, "extra_plain")
-    for o in outs:
-        assert o["failures"] == [2] and "'odd.w'" in o["message"] and o["poisoned"], o
+    assert [o["report"]["tensors"] for o in outs] == [4, 4, 5, 4]
 
 
 @pytest.mark.parametrize("src", ["tp4", "uneven"])

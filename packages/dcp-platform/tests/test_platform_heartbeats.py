@@ -6,13 +6,13 @@ serves every watch, and a forked child starts its own."""
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 from typing import Any
 
 import pytest
 from dcp_platform import HEARTBEAT_THREAD, PeerFailure, Watch
+from dcp_platform.codec import encode_failures
 
 
 class _Store:
@@ -122,7 +122,7 @@ def test_a_stale_successor_is_named_and_an_abort_is_read():
     assert list(exc.value.failures) == [1] and "stopped responding" in exc.value.failures[1][0]
 
     with Watch(_Platform(store, rank=0, world=2), "hb/abort", heartbeat_s=0.05) as w:
-        store.set("hb/abort/abort", pickle.dumps({1: ("boom",)}))
+        store.set("hb/abort/abort", encode_failures("abort", {1: ("boom",)}))
         with pytest.raises(PeerFailure) as exc:
             w.wait_event(threading.Event())
     assert exc.value.failures == {1: ("boom",)}

@@ -162,13 +162,11 @@ def transfer(
     is written. A failure while data moves (a rank raises or dies) raises ``LoadError`` on
     every rank and forgets the plan (the next transfer sends everything); the destinations
     may then hold a mix of two steps, except after a ``delta`` call (below) past its first.
-    ``process_group``: the torch.distributed group to transfer within (default: the default
-    group; plans and groups are kept per group); ranks outside it do not call. Every call
-    counts: a rank whose arguments are refused here tells the others at once. ``delta``:
-    send only what changed since the last transfer of this plan (``_delta``; the first call
-    sends all); later calls stage what arrives (the bytes received) and write it only once
-    every rank succeeded, so a failed one leaves the previous step. Returns this rank's
-    ``TransferReport``.
+    ``process_group``: the group to transfer within (default: the default group; plans and
+    groups are kept per group). A rank whose arguments are refused tells the others at once.
+    ``delta``: send only what changed since this plan's last transfer (``_delta``; the first
+    sends all); later calls stage what arrives and write it once every rank succeeded, so a
+    failed one leaves the previous step. Returns this rank's ``TransferReport``.
     """
     slot = next_slot("transfer", scope_of(process_group))
     refused_together("transfer", slot, process_group, lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
