@@ -72,7 +72,7 @@ def own_digest(holdings: list[Any], values: list[str]) -> int:
 def remember(world: int, rank: int, gathered: list[Any], tensors: dict[str, Any], mine: list[Any],
              save_id: str, scope: str = "world") -> None:
     """Keep the layout of a save every rank agreed by a full exchange (``gathered``: every
-    rank's payload ``(holdings, value names, save id, directory)``); every rank calls it."""
+    rank's payload ``(holdings, value names, save id, directory, format)``); every rank calls it."""
     whole = digest([([tuple(h) for h in hs], list(v)) for hs, v, *_ in gathered])
     entry = Agreed(world, rank, own_digest(*gathered[rank][:2]), whole, tuple(mine), len(tensors),
                    sum(t.nbytes for t in tensors.values()), save_id, tensors if rank == 0 else None)
@@ -126,11 +126,11 @@ class Pending:
 
 
 def start(platform: Any, watch: Any, *, world: int, rank: int, holdings: list[Any], values: list[str], path: str,
-          save_id: str | None, failed: bool) -> Pending:
+          save_id: str | None, failed: bool, scope: str = "world") -> Pending:
     """Begin the one all-reduce of the module docstring; the caller may copy ``guess``'s
-    boxes meanwhile."""
+    boxes meanwhile. ``scope``: whose layouts to look in (a group and a format: a layout
+    remembered for one format names files of that format)."""
     own = own_digest(holdings, values)
-    scope = getattr(platform, "group_key", "world")
     with _LOCK:
         kept = list(_kept(scope))
     hits = [not failed and e.world == world and e.rank == rank and e.own == own for e in kept]

@@ -301,14 +301,15 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
             writer.planner_data = {leaf.name: leaf.keys for leaf in leaves}
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors, options)
         world = platform.world_size() if collective else 1
-        remembered = None
+        remembered, scope = None, f"{getattr(platform, 'group_key', 'world')}/{options.format}"
         if collective:  # the same holdings as a save before: one all-reduce instead of a gathering
             pending = agreed.start(platform, coord.waiter, world=world, rank=rank, holdings=holdings,
-                                   values=sorted(values), path=path, save_id=save_id, failed=bool(errors))
+                                   values=sorted(values), path=f"{options.format}:{path}", save_id=save_id,
+                                   failed=bool(errors), scope=scope)
             early = _while(pending, while_agreeing, targets)
             remembered = pending.result()
-        planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path), errors, world,
-                           me, getattr(platform, "group_key", "world"), options.data_file_name)
+        planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path, options.format),
+                           errors, world, me, scope, options.data_file_name)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -366,6 +367,9 @@ def _agree(gathered: list[Any], tensors: dict[str, Any], failures: dict[int, lis
             failures.setdefault(r, []).append(
                 f"checkpoint_id is {g[3]} here but {gathered[0][3]} on rank 0: every rank must pass the same "
                 "directory (an absolute path; a relative one depends on each process's working directory)")
+        if g[4] != gathered[0][4]:
+            failures.setdefault(r, []).append(f"format={g[4]!r} here but {gathered[0][4]!r} on rank 0: every rank "
+                                              "must save in the same format")
     missing_values = sorted(set().union(*(set(v) for _, v, *_ in gathered)) - set(gathered[0][1]))
     if missing_values:
         failures.setdefault(0, []).append(
