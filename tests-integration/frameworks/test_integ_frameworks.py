@@ -2,13 +2,17 @@
 ``dcp_load.torch_compat`` swapped in for torch.distributed.checkpoint's ``save``, ``load``
 and ``async_save`` (integ_frameworks_cases), on 2 real gloo ranks: every value each
 framework restores into poisoned targets equals what it restores from the same run with
-torch DCP, and what was saved.
+torch DCP, and what was saved. Then torch DCP itself reads the checkpoints dcp wrote:
+``torch.distributed.checkpoint.load`` in a new launch, ``FileSystemReader.read_metadata``,
+``format_utils.dcp_to_torch_save``, and Accelerate's ``merge_fsdp_weights`` (which reads
+with torch's reader); each gives what it gives for torch DCP's checkpoints.
 
 What cannot run on CPU, and so is not covered: Accelerate's FSDP1 path and Fabric's
 ``FSDPStrategy`` (torch 2.13's FSDP1 refuses CPU). Accelerate on CPU builds a MULTI_CPU
 state and ignores its FSDP plugin; the cases set the FSDP type and plugin on its state, as a
 GPU launch would, so that ``prepare`` applies FSDP2.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,6 +22,7 @@ import pytest
 
 pytest.importorskip("accelerate", reason="Accelerate is not installed (nox -s tests-frameworks installs it)")
 pytest.importorskip("lightning.fabric", reason="Lightning is not installed (nox -s tests-frameworks installs it)")
+pytest.importorskip("safetensors", reason="merge_fsdp_weights writes a safetensors file")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import integ_accelerate_cases as accelerate_cases  # noqa: E402
 import integ_frameworks_cases as fw  # noqa: E402
 import integ_lightning_cases as lightning_cases  # noqa: E402
+import integ_torch_reads_cases as torch_reads  # noqa: E402
 
 pytestmark = pytest.mark.frameworks
 RUN = {"timeout": 300, "pg_timeout": 240}
@@ -101,3 +107,59 @@ def test_lightning_fabric_save_load(lightning_run):
         assert_same(r["torch"], {**r["saved"], "step": 2, "rest": []}, f"rank {rank}: torch DCP")
         assert_same(r["dcp"], r["torch"], f"rank {rank}: dcp")
 
+
+#: Each framework's folders written through torch DCP's or dcp's save, under root.
+FOLDERS = [f"accelerate-{{impl}}/{accelerate_cases.MODEL_DIR}", f"accelerate-{{impl}}/{accelerate_cases.OPTIM_DIR}",
+           "lightning-{impl}"]
+
+
+def test_torch_dcp_load_resumes_from_dcp_checkpoints(root, accelerate_run, lightning_run):
+    """A new launch resumes with torch DCP's own ``load`` from what each framework saved."""
+    resumed = run_ranks(torch_reads.resume, 2, str(root), **RUN)
+    for rank, r in enumerate(resumed):
+        for framework, run in (("accelerate", accelerate_run), ("lightning", lightning_run)):
+            assert_same(r[f"{framework}-torch"], run[rank]["saved"], f"rank {rank}: {framework}, torch DCP's")
+            assert_same(r[f"{framework}-dcp"], r[f"{framework}-torch"], f"rank {rank}: {framework}, dcp's")
+
+
+def _entries(metadata) -> dict:
+    """What ``read_metadata`` says of each entry, without file names (dcp names its files
+    its own way): kind, shape, dtype and chunks, and the state-dict keys it came from."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        said = {"kind": type(entry).__name__, "keys": list(metadata.planner_data[fqn])}
+        if isinstance(entry, TensorStorageMetadata):
+            said.update(size=list(entry.size), dtype=str(entry.properties.dtype),
+                        chunks=sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks))
+        out[fqn] = said
+    return out
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_torch_dcp_read_metadata_of_dcp_checkpoints(root, accelerate_run, lightning_run, folder):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    torch_meta = FileSystemReader(str(root / folder.format(impl="torch"))).read_metadata()
+    dcp_meta = FileSystemReader(str(root / folder.format(impl="dcp"))).read_metadata()
+    assert _entries(dcp_meta) == _entries(torch_meta)
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_torch_dcp_to_torch_save_of_dcp_checkpoints(root, tmp_path, accelerate_run, lightning_run, folder):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    saved = {}
+    for impl in fw.IMPLS:
+        dcp_to_torch_save(str(root / folder.format(impl=impl)), tmp_path / f"{impl}.pt")
+        saved[impl] = torch.load(tmp_path / f"{impl}.pt", weights_only=True)
+    assert saved["torch"], folder
+    assert_same(saved["dcp"], saved["torch"], folder)
+
+
+def test_accelerate_merge_fsdp_weights_of_dcp_checkpoints(root, accelerate_run):
+    """``merge_fsdp_weights`` reads with torch DCP's reader on the main process."""
+    merged = run_ranks(accelerate_cases.merge, 2, str(root), **RUN)[0]
+    assert_same(merged["torch"], accelerate_run[0]["saved"]["model"], "torch DCP's")
+    assert_same(merged["dcp"], merged["torch"], "dcp's")

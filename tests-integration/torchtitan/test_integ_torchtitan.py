@@ -54,7 +54,9 @@ def test_saves_and_hf_initial_load_match_torch_dcp(saved):
     for r in per_rank:
         for mode in cases.MODES:
             assert ".metadata" in r["files"][f"torch-{mode}"], r["files"]
-            assert "dcp-metadata.json" in r["files"][f"dcp-{mode}"], r["files"]
+            # torch_compat writes torch DCP's own format, with dcp's checksums beside it
+            assert {".metadata", "dcp-checksums.json"} <= set(r["files"][f"dcp-{mode}"]), r["files"]
+            assert "dcp-metadata.json" not in r["files"][f"dcp-{mode}"], r["files"]
         hf = r["hf"]
         assert hf["torch_loaded"] is True and hf["dcp_loaded"] is True
         _same(hf["torch"], hf["files"], "torch")
@@ -72,10 +74,9 @@ def test_resume_at_another_world_size(saved, world):
         for mode in cases.MODES:
             _same(r[f"torch-{mode}"], truth, f"torch-{mode}")
             _same(r[f"dcp-{mode}"], r[f"torch-{mode}"], f"dcp-{mode}")
-            # torchtitan finds the latest step by torch's ".metadata" file, which dcp does not
-            # write: a resume with load_step=-1 would start afresh (README, "Coming from
-            # torch.distributed.checkpoint"); load(step=N) is what finds dcp's checkpoints.
-            assert r["latest"] == {"torch-disabled": 1, "torch-async": 1, "dcp-disabled": -1, "dcp-async": -1}
+            # torchtitan finds the latest step by torch's ".metadata" file, which torch_compat
+            # writes (torch DCP's format): load_step=-1 resumes from dcp's checkpoints too.
+            assert r["latest"] == {"torch-disabled": 1, "torch-async": 1, "dcp-disabled": 1, "dcp-async": 1}
 
 
 def test_per_rank_dataloader_state_resumes_as_with_torch_dcp(tmp_path):
