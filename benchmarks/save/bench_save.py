@@ -98,19 +98,23 @@ def _savers() -> dict[str, Any]:
     from dcp_load.saving._staging import POOL
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    def dcp_save(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
-        t0 = time.perf_counter()
-        rep = dcp_load.save(sd, checkpoint_id=d)
-        took = time.perf_counter() - t0
-        return took, took, {"written": rep.bytes_written}
+    def dcp_save(fmt: str) -> Any:
+        def run(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
+            t0 = time.perf_counter()
+            rep = dcp_load.save(sd, checkpoint_id=d, format=fmt)
+            took = time.perf_counter() - t0
+            return took, took, {"written": rep.bytes_written}
+        return run
 
-    def dcp_async(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
-        rss, t0 = _rss(), time.perf_counter()
-        fut = dcp_load.async_save(sd, checkpoint_id=d)
-        blocked, grown = time.perf_counter() - t0, _rss() - rss
-        rep = fut.result()
-        return blocked, time.perf_counter() - t0, {"held_at_return": POOL.capacity, "rss_grown": grown,
-                                                   "written": rep.bytes_written, "staged": rep.staged_bytes}
+    def dcp_async(fmt: str) -> Any:
+        def run(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
+            rss, t0 = _rss(), time.perf_counter()
+            fut = dcp_load.async_save(sd, checkpoint_id=d, format=fmt)
+            blocked, grown = time.perf_counter() - t0, _rss() - rss
+            rep = fut.result()
+            return blocked, time.perf_counter() - t0, {"held_at_return": POOL.capacity, "rss_grown": grown,
+                                                       "written": rep.bytes_written, "staged": rep.staged_bytes}
+        return run
 
     def torch_save(sd: Any, d: str) -> tuple[float, float, dict[str, Any]]:
         t0 = time.perf_counter()
@@ -128,7 +132,9 @@ def _savers() -> dict[str, Any]:
             return blocked, time.perf_counter() - t0, {"rss_grown": grown}
         return run
 
-    return {"dcp save": dcp_save, "torch save": torch_save, "dcp async": dcp_async,
+    # "(torch fmt)": dcp writing torch DCP's own format (format="torch_dcp"), as torch_compat does
+    return {"dcp save": dcp_save("native"), "dcp save (torch fmt)": dcp_save("torch_dcp"), "torch save": torch_save,
+            "dcp async": dcp_async("native"), "dcp async (torch fmt)": dcp_async("torch_dcp"),
             "torch async thread": torch_async(AsyncCheckpointerType.THREAD),
             "torch async process": torch_async(AsyncCheckpointerType.PROCESS)}
 
@@ -234,6 +240,9 @@ def _ratios(med: dict[str, tuple[float, float]], memcpy: float) -> list[str]:
         return f"{med[a][i] / med[b][i]:.2f} x" if a in med and b in med and med[b][i] > 0 else "n/a"
 
     out = [f"  save: dcp / torch {ratio('dcp save', 'torch save', 1)} (goal <= 1.0)",
+           f"  save in torch's format: dcp / torch {ratio('dcp save (torch fmt)', 'torch save', 1)} (goal <= 0.7); "
+           f"/ dcp native {ratio('dcp save (torch fmt)', 'dcp save', 1)} (goal <= 1.05); async blocked / native "
+           f"{ratio('dcp async (torch fmt)', 'dcp async', 0)}",
            f"  async blocked: dcp / torch thread {ratio('dcp async', 'torch async thread', 0)} (goal <= 0.7 on "
            f"dp2tp2); dcp / memcpy "
            + (f"{med['dcp async'][0] / memcpy:.2f} x (goal <= 1.3)" if "dcp async" in med and memcpy else "n/a"),
