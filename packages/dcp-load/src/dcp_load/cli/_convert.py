@@ -1,4 +1,4 @@
-"""``dcp convert SRC DST --to hf|native ...``: the command line of ``convert``."""
+"""``dcp convert SRC DST --to hf|native|torch-dcp ...``: the command line of ``convert``."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
-    c = sub.add_parser("convert", help="convert a checkpoint into Hugging Face safetensors shards or the native "
-                       "format, streamed at a fixed memory bound",
+    c = sub.add_parser("convert", help="convert a checkpoint into Hugging Face safetensors shards, the native "
+                       "format or torch.distributed.checkpoint's own format, streamed at a fixed memory bound",
                        description="Convert SRC (any format dcp reads) into DST. Output files are preallocated "
                        "and filled in place; DST appears only once the conversion is complete.")
     c.add_argument("src", help="source checkpoint: a directory or s3://bucket/prefix")
     c.add_argument("dst", help="destination: a local directory (must not exist or be empty, unless --overwrite; "
                    "s3:// is refused: convert locally, then upload)")
-    c.add_argument("--to", choices=("hf", "native"), required=True,
+    c.add_argument("--to", choices=("hf", "native", "torch-dcp"), required=True,
                    help="hf: model-0000i-of-0000N.safetensors + model.safetensors.index.json; native: dcp's format "
-                   "with block checksums and values")
+                   "with block checksums and values; torch-dcp: torch.distributed.checkpoint's format (__*.distcp + "
+                   ".metadata), which torch's dcp.load and dcp_to_torch_save read, with values and block checksums")
     c.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="largest output file, e.g. 5GB (default), 500MB, 2GiB")
     c.add_argument("--dtype", default=None, metavar="NAME",

@@ -1,5 +1,5 @@
-"""``convert``: a checkpoint into Hugging Face safetensors shards or the native format,
-streamed into preallocated files at a memory bound that does not grow with the model.
+"""``convert``: a checkpoint into Hugging Face safetensors shards, the native format or
+torch.distributed.checkpoint's own format (``torch-dcp``), streamed into preallocated files at a memory bound that does not grow with the model.
 
 Call order: the source and DST are resolved and checked (``_place``); the outputs (names,
 shapes, where each comes from) are computed from the source's metadata through ``prefix=``
@@ -9,7 +9,8 @@ is locked against a second conversion; a temporary directory beside it receives 
 created, preallocated and given its final header, under a ``.partial`` name; the files are
 filled in place (``_fill``: one load per group of tensors, in this process, or shared with
 ``workers - 1`` worker processes, ``_workers``); each is renamed to its final name once all
-are whole; ``config.json`` (when given), then the index (Hugging Face) or metadata (native)
+are whole; ``config.json`` (when given), then the index (Hugging Face) or metadata (native;
+torch-dcp: the values' file, ``dcp-checksums.json`` and ``.metadata``, ``_torch_layout``)
 are written last; the directory then replaces DST in one rename (``_place.place``).
 """
 
@@ -21,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +40,23 @@ from ._layout import (
     parse_size,
 )
 from ._place import DestinationLock, fsync_dir, new_temporary, place, resolve_paths, write_json
+from ._torch_layout import (
+    TorchFile,
+    commit_torch,
+    layout_torch_files,
+    new_save_id,
+    planner_keys,
+    recorded_keys,
+)
 from ._workers import run_workers
 
 __all__ = ["ConvertReport", "convert", "select_names"]
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("hf", "native")
+FORMATS = ("hf", "native", "torch-dcp")
+#: other spellings of a target (``save(format="torch_dcp")``'s)
+_ALIASES = {"torch_dcp": "torch-dcp"}
 HF_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 
@@ -111,8 +122,8 @@ def _out_tensors(tensors: Mapping[str, tuple[tuple[int, ...], str]], names: Sequ
 
 def _values(reader: Any, names: Mapping[str, str], native: bool) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """(values kept, (name, reason) of values skipped), of ``names`` ({output name: saved
-    name}). A Hugging Face output holds tensors only; a native one keeps every value that
-    can be read without unpickling arbitrary objects and stored as JSON."""
+    name}). A Hugging Face output holds tensors only; a native or torch-dcp one keeps every
+    value that can be read without unpickling arbitrary objects and stored as JSON."""
     from dcp_reader import CheckpointError
     from dcp_reader._values import is_storable_value
 
@@ -136,6 +147,7 @@ def _prepare_files(root: str, files: Sequence[OutFile]) -> None:
     """Create each file under its partial name, reserve its blocks and write its header:
     a full disk fails here, before anything is read (and never as SIGBUS in a mapping)."""
     for f in files:
+        heads = f.records() if isinstance(f, TorchFile) else [(0, len(f.header).to_bytes(8, "little") + f.header)]
         fd = os.open(os.path.join(root, partial_name(f.name)), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
@@ -146,7 +158,8 @@ def _prepare_files(root: str, files: Sequence[OutFile]) -> None:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
                 os.ftruncate(fd, f.size)  # a filesystem without fallocate: a sparse file
-            os.pwrite(fd, len(f.header).to_bytes(8, "little") + f.header, 0)
+            for offset, raw in heads:
+                os.pwrite(fd, raw, offset)
         finally:
             os.close(fd)
 
@@ -209,8 +222,10 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
             quiet: bool = False) -> ConvertReport:
     """Convert the checkpoint ``src`` (any format dcp reads, a directory or ``s3://...``)
     into the local directory ``dst``: ``to="hf"`` (``model-0000i-of-0000N.safetensors`` +
-    ``model.safetensors.index.json``) or ``"native"`` (dcp's format, block checksums, values
-    kept). See the README, "Converting".
+    ``model.safetensors.index.json``), ``"native"`` (dcp's format, block checksums, values
+    kept) or ``"torch-dcp"`` (torch.distributed.checkpoint's own format, which torch's
+    ``load`` and ``dcp_to_torch_save`` read: values kept, block checksums in
+    ``dcp-checksums.json``). See the README, "Converting".
 
     ``max_shard_bytes``: bytes per file (an int, or ``"5GB"``, ``"2GiB"``; default 5 GB).
     ``dtype``: cast floating tensors to it (integer and bool tensors never). ``prefix``:
@@ -224,29 +239,25 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     checkpoint is complete. ``quiet``: no progress bar.
     """
     t0 = time.perf_counter()
-    if to not in FORMATS:
-        raise ValueError(f"to must be one of {FORMATS}, got {to!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    to = _check_args(to, workers)
     limit = DEFAULT_SHARD_BYTES if max_shard_bytes is None else parse_size(max_shard_bytes)
-    dtype, native = cast_dtype(dtype), to == "native"
+    dtype, keep = cast_dtype(dtype), to != "hf"
     config_doc = _config(config, to)
     src_root, dst_abs = resolve_paths(src, dst, overwrite)
-    out, reads, values, skipped = _outputs(src_root, sources, prefix, keys, dtype, native)
+    out, reads, values, skipped, recorded = _outputs(src_root, sources, prefix, keys, dtype, to)
     for name, reason in skipped:
         logger.warning("skipped %r: %s", name, reason)
-    if not out and not native:
+    if not out and not keep:
         raise ValueError(f"nothing to convert: no tensor of {src_root} is selected (keys={keys!r}, prefix={prefix!r})")
-    files = layout_files(out, limit, {"format": "pt"} if not native else _native_meta()) if out else []
-    for fname, tname, size in oversized(files, limit):
-        logger.warning("%s holds only %r, %s: larger than the shard size %s (a tensor is never split)", fname,
-                       tname, human_bytes(size), human_bytes(limit))
+    save_id = new_save_id()
+    files = _layout(out, limit, to, save_id)
+    commit = _committer(to, files, values, save_id, planner_keys([*(t.name for t in out), *values], recorded))
     with DestinationLock(dst_abs):
         tmp = new_temporary(dst_abs)
         progress = _Progress(sum(f.data_bytes for f in files), len(files), quiet)
         try:
-            results, tail = _write(src_root, tmp, files, values, progress, reads=reads, native=native,
-                                   workers=workers, config=config_doc)
+            results, tail = _write(src_root, tmp, files, progress, commit, reads=reads, keep=keep, workers=workers,
+                                   config=config_doc)
             place(tmp, dst_abs, overwrite)
         except BaseException:
             progress.close()
@@ -265,12 +276,22 @@ def convert(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, to: str
     return report
 
 
+def _check_args(to: Any, workers: Any) -> str:
+    """``to`` as one of ``FORMATS`` (ValueError naming them), ``workers`` an int >= 1."""
+    to = _ALIASES.get(to, to) if isinstance(to, str) else to
+    if to not in FORMATS:
+        raise ValueError(f"to must be one of {', '.join(FORMATS)}, got {to!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    return to
+
+
 def _config(config: Any, to: str) -> dict[str, Any] | None:
     """``config=`` as the JSON object written as ``config.json``: a dict, or a path to one."""
     if config is None:
         return None
     if to != "hf":
-        raise ValueError("config= (--config) is written for a Hugging Face output only (to='hf'); a native "
+        raise ValueError(f"config= (--config) is written for a Hugging Face output only (to='hf'); a {to} "
                          "checkpoint holds no model config")
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
@@ -292,10 +313,38 @@ def _config(config: Any, to: str) -> dict[str, Any] | None:
     return doc
 
 
-def _outputs(src_root: str, sources: Any, prefix: Any, keys: Any, dtype: str | None, native: bool
-             ) -> tuple[list[OutTensor], dict[str, Any], dict[str, Any], list[tuple[str, str]]]:
+def _layout(out: Sequence[OutTensor], limit: int, to: str, save_id: str) -> list[OutFile]:
+    """The output files of ``to``, every byte placed (a tensor larger than ``limit``: a file
+    of its own, with a warning)."""
+    if not out:
+        return []
+    if to == "torch-dcp":
+        files: list[OutFile] = list(layout_torch_files(out, limit, save_id))
+    else:
+        files = layout_files(out, limit, {"format": "pt"} if to == "hf" else _native_meta())
+    for fname, tname, size in oversized(files, limit):
+        logger.warning("%s holds only %r, %s: larger than the shard size %s (a tensor is never split)", fname,
+                       tname, human_bytes(size), human_bytes(limit))
+    return files
+
+
+def _committer(to: str, files: Sequence[OutFile], values: Mapping[str, Any], save_id: str,
+               keys: Mapping[str, tuple[Any, ...]]) -> Callable[[str, Mapping[str, FileResult]], int]:
+    """What writes the index or metadata of ``to`` into a directory once every data file is
+    whole (given each file's result): the bytes it wrote."""
+    if to == "hf":
+        return lambda root, results: _commit_hf(root, files)
+    if to == "native":
+        return lambda root, results: _commit_native(root, files, results, values)
+    return lambda root, results: commit_torch(root, files, {n: r.checksums for n, r in results.items()}, values,
+                                              save_id, keys)
+
+
+def _outputs(src_root: str, sources: Any, prefix: Any, keys: Any, dtype: str | None, to: str
+             ) -> tuple[list[OutTensor], dict[str, Any], dict[str, Any], list[tuple[str, str]], dict[str, Any]]:
     """(output tensors, {output: source over saved names} of those not read under their own
-    name, values kept, (name, reason) skipped), from the source's metadata, ``prefix``,
+    name, values kept, (name, reason) skipped, {output name: keys} the source recorded for
+    the outputs kept under their saved names), from the source's metadata, ``prefix``,
     ``sources`` and ``keys``: every mapping mistake is raised here, before any file exists."""
     from dcp_reader import open_checkpoint
 
@@ -303,20 +352,24 @@ def _outputs(src_root: str, sources: Any, prefix: Any, keys: Any, dtype: str | N
 
     if isinstance(sources, (str, os.PathLike)):
         sources = load_sources_file(sources)
+    keep = to != "hf"
     with open_checkpoint(src_root) as reader:
         mapped = map_outputs(reader.metadata, sources, prefix)
         chosen = set(select_names(list(mapped.tensors) + list(mapped.values), keys))
-        out = _out_tensors(mapped.tensors, [n for n in mapped.tensors if n in chosen], dtype, native)
-        values, skipped = _values(reader, {n: s for n, s in mapped.values.items() if n in chosen}, native)
+        out = _out_tensors(mapped.tensors, [n for n in mapped.tensors if n in chosen], dtype, keep)
+        values, skipped = _values(reader, {n: s for n, s in mapped.values.items() if n in chosen}, keep)
+        recorded = recorded_keys(src_root, reader.metadata) if to == "torch-dcp" else {}
     reads = {t.name: mapped.reads[t.name] for t in out if t.name in mapped.reads}
-    return out, reads, values, skipped
+    same = {t.name for t in out if t.name not in mapped.reads} | {n for n in values if mapped.values[n] == n}
+    return out, reads, values, skipped, {n: k for n, k in recorded.items() if n in same}
 
 
-def _write(src_root: str, tmp: str, files: Sequence[OutFile], values: Mapping[str, Any], progress: _Progress, *,
-           reads: Mapping[str, Any], native: bool, workers: int, config: Mapping[str, Any] | None
-           ) -> tuple[list[FileResult], int]:
+def _write(src_root: str, tmp: str, files: Sequence[OutFile], progress: _Progress,
+           commit: Callable[[str, Mapping[str, FileResult]], int], *, reads: Mapping[str, Any], keep: bool,
+           workers: int, config: Mapping[str, Any] | None) -> tuple[list[FileResult], int]:
     """Every file of ``tmp`` written, fsynced and renamed to its final name, then
-    ``config.json`` and the index or metadata last: (per-file results, bytes of those)."""
+    ``config.json`` and the index or metadata last (``commit``): (per-file results, bytes of
+    those). ``keep``: block checksums of every tensor are computed (native, torch-dcp)."""
     _prepare_files(tmp, files)
     by_name = {f.name: f for f in files}
 
@@ -324,18 +377,17 @@ def _write(src_root: str, tmp: str, files: Sequence[OutFile], values: Mapping[st
         progress.file(r, by_name[r.name])
 
     if workers == 1 or len(files) < 2:
-        results = fill_files(src_root, tmp, files, reads=reads, native=native, on_bytes=progress.advance,
+        results = fill_files(src_root, tmp, files, reads=reads, native=keep, on_bytes=progress.advance,
                              on_file=on_file)
     else:
-        results = run_workers(src_root, tmp, files, workers, reads=reads, native=native,
+        results = run_workers(src_root, tmp, files, workers, reads=reads, native=keep,
                               on_bytes=progress.advance, on_file=on_file)
     progress.close()
     for f in files:
         os.rename(os.path.join(tmp, partial_name(f.name)), os.path.join(tmp, f.name))
     fsync_dir(tmp)
     tail = write_json(os.path.join(tmp, CONFIG), config) if config is not None else 0
-    by_result = {r.name: r for r in results}
-    return results, tail + (_commit_native(tmp, files, by_result, values) if native else _commit_hf(tmp, files))
+    return results, tail + commit(tmp, {r.name: r for r in results})
 
 
 def _native_meta() -> dict[str, str]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._layout import OutFile
+from ._torch_layout import TorchFile, patch_crcs
 
 __all__ = ["FileResult", "fill_files", "partial_name"]
 
@@ -34,8 +35,8 @@ GROUP_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileResult:
-    """What filling one file did: bytes read from the source, seconds, and (native output)
-    each tensor's block checksum."""
+    """What filling one file did: bytes read from the source, seconds, and (native and
+    torch-dcp outputs) each tensor's block checksum."""
 
     name: str
     bytes_read: int
@@ -119,6 +120,8 @@ def fill_file(reader: Any, root: str, f: OutFile, *, reads: Mapping[str, Any], n
                 if on_bytes is not None:
                     on_bytes(sum(sizes[n] for n in names))
             views = None  # no tensor may view the mapping when it is closed
+            if isinstance(f, TorchFile):
+                patch_crcs(mm, f)  # each blob's CRC-32, of the bytes just filled
             if native:
                 sums = _checksums(mm, f)
         finally:
