@@ -28,6 +28,8 @@ def alias_key(target: Target) -> Any:
     """What two targets share exactly when they are the same memory (None: never shared)."""
     if getattr(target, "flat", False):
         return None  # flat views never tie: one overlapping another is refused (``_flat_target``)
+    if not getattr(target, "ties", True):
+        return None  # a ShardedTensor of several local shards is no one tensor (``_sharded``)
     local = target.local
     if target.adapter.name == "torch":
         if local.numel() == 0:

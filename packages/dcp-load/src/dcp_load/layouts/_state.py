@@ -79,7 +79,8 @@ class Chunk:
 
 
 def is_tensor(value: Any) -> bool:
-    """A value that is loaded in place: a torch or MindSpore tensor, a ``Chunk`` or a ``Flat``.
+    """A value that is loaded in place: a torch or MindSpore tensor (a DTensor and a torch
+    ShardedTensor included, both ``torch.Tensor`` subclasses), a ``Chunk`` or a ``Flat``.
 
     Decided by type, subclasses included (torch ``nn.Parameter``; MindSpore ``Parameter``,
     whose class reports module ``abc``, so the module name cannot decide). Frameworks are

@@ -1,8 +1,10 @@
-"""The target of one state dict leaf: a plain tensor, a ``Chunk``, a DTensor or a ``Flat``."""
+"""The target of one state dict leaf: a plain tensor, a ``Chunk``, a DTensor, a torch ShardedTensor
+or a ``Flat``."""
 
 from __future__ import annotations
 
 from ._flat_target import flat_target
+from ._sharded import is_sharded_tensor, sharded_target
 from ._state import Chunk, Flat, Leaf
 from ._targets import Target, adapter_for, dtensor_boxes, is_dtensor
 
@@ -29,6 +31,8 @@ def target_for(leaf: Leaf) -> Target:
         boxes, local = dtensor_boxes(value, coordinate)
         adapter = adapter_for(local)
         return Target(leaf.name, tuple(int(s) for s in value.shape), boxes, adapter.dtype_name(local), local, adapter)
+    if is_sharded_tensor(value):
+        return sharded_target(leaf.name, value)
     adapter = adapter_for(value)
     local = value.detach() if adapter.name == "torch" else value
     shape = tuple(int(s) for s in value.shape)

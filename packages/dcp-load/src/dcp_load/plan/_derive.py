@@ -12,7 +12,7 @@ when every rank of the job holds it (the digest exchange checks that, ``_digest`
 way: each shard coordinate's rows come from ``_targets.boxes_at`` (torch's own per-placement
 step), and a coordinate whose rows are not contiguous holds several boxes.
 
-Entries that cannot be derived (``Chunk`` annotations, ``Flat`` intervals, MindSpore
+Entries that cannot be derived (``Chunk`` annotations, ``Flat`` intervals, ShardedTensors, MindSpore
 tensors, placements other than ``Shard``/``_StridedShard``/``Replicate``) make the whole
 load use the gathered wants.
 """
@@ -124,6 +124,7 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
     process group the load runs within (None: the world); a mesh with a rank outside that
     group cannot be derived.
     """
+    from ..layouts._sharded import is_sharded_tensor
     from ..layouts._state import Chunk, Flat
     from ..layouts._targets import is_dtensor
 
@@ -133,6 +134,8 @@ def derive_entry(value: Any, name: str, shape: tuple[int, ...], dtype: str, flag
         # a plain tensor is derived as held by every rank.
         return None
     if isinstance(value, Chunk) or (type(value).__module__ or "").split(".", 1)[0] != "torch":
+        return None
+    if is_sharded_tensor(value):  # its shards are where its metadata says, not on every rank
         return None
     if not is_dtensor(value):
         box = ((0,) * len(shape), shape, _world(world))
