@@ -1,5 +1,5 @@
 """Functions that run inside ranks for test_integ_sync_readme (not a test module): the
-weight-sync example of packages/dcp-load/README.md, its trainer half or its engine half,
+weight-sync example of the user guide (docs/transfer.md), its trainer half or its engine half,
 executed as written (with a free port for 29600) with the names it assumes defined here."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ TP = 2
 
 
 def halves() -> tuple[str, str]:
-    """(shared lines + trainer half, shared lines + engine half) of the README's example."""
-    readme = ROOT / "packages" / "dcp-load" / "README.md"
+    """(shared lines + trainer half, shared lines + engine half) of the guide's example."""
+    readme = ROOT / "docs" / "transfer.md"
     [block] = [b for b in docs_blocks.find_blocks(readme) if 'side="engine"' in b.code]
     shared, rest = block.code.split(TRAINER_MARK, 1)
     trainer, engine = rest.split(ENGINE_MARK, 1)

@@ -1,4 +1,4 @@
-"""The weight-sync example of packages/dcp-load/README.md ("Weight sync between two jobs"),
+"""The weight-sync example of docs/transfer.md ("Weight sync between two jobs"),
 run as written (with a free port for 29600): its trainer half in a 1-rank job, its engine
 half in a 2-rank job, launched apart (integ_sync_readme_cases). The engine's TP shards (a
 fused qkv with groups and a column-split o_proj) are poisoned with NaN before the transfer
