@@ -271,3 +271,40 @@ def test_bad_input_refused_by_name(tmp_path, capsys):
                      "--quiet"]) == 0
     assert "keep.txt" not in os.listdir(tmp_path / "dst")
     assert_same(torch_load(tmp_path / "dst", {"w": torch.ones(3), "step": 1}), {"w": torch.ones(3), "step": 1})
+
+
+# test_convert_memory.py's child, converting into torch DCP's format (the warm-up too: its
+# imports, torch.distributed.checkpoint's metadata classes, are paid once per process)
+TORCH_CHILD = """
+import os, sys, tempfile, torch, dcp_load
+from safetensors.torch import save_file
+with tempfile.TemporaryDirectory() as tmp:
+    os.mkdir(os.path.join(tmp, "s"))
+    save_file({"w": torch.ones(4, 4)}, os.path.join(tmp, "s", "model.safetensors"))
+    dcp_load.convert(os.path.join(tmp, "s"), os.path.join(tmp, "d"), to="torch-dcp", dtype="bfloat16")
+print("READY", flush=True)
+sys.stdin.readline()
+dcp_load.convert(sys.argv[1], sys.argv[2], to="torch-dcp", dtype=(sys.argv[3:] or [None])[0], max_shard_bytes="1GB")
+"""
+
+
+@pytest.mark.slow
+def test_peak_anonymous_memory_as_the_other_targets(tmp_path, monkeypatch):
+    """The bound of test_convert_memory.py holds for torch-dcp: 1 GiB and 4 GiB conversions
+    (every piece cast to bfloat16) peak within 32 MiB of each other, under 128 MiB."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import test_convert_memory as mem
+    finally:
+        sys.path.remove(str(HERE))
+    monkeypatch.setattr(mem, "CHILD", TORCH_CHILD)
+    peaks = {}
+    for gib in (1, 4):
+        src, dst = tmp_path / f"src{gib}", tmp_path / f"dst{gib}"
+        mem.write_hf(src, gib)
+        peaks[gib], _ = mem.peak_extra_anon(src, dst, "bfloat16")
+        assert sum(p.stat().st_size for p in dst.iterdir()) > gib * (1 << 29)
+        for p in (*src.iterdir(), *dst.iterdir()):
+            p.unlink()
+    assert abs(peaks[4] - peaks[1]) <= 32 * mem.MIB, peaks
+    assert max(peaks.values()) <= 128 * mem.MIB, peaks
