@@ -126,3 +126,30 @@ def test_dcp_load_alone_raises_a_plain_load_error(tmp_path):
     with pytest.raises(LoadError) as caught:
         dcp_load.load({"t": torch.ones(3)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     assert not isinstance(caught.value, CheckpointException)
+
+
+def test_a_failed_async_save_future_raises_a_checkpoint_exception_and_a_load_error(tmp_path, monkeypatch):
+    import dcp_load
+    from dcp_load.saving._future import SaveFuture
+    from dcp_load.torch_compat import _fails_with_checkpoint_exception
+    from dcp_reader.write import TorchDcpWriter
+
+    def fill_disk(self, name, tensors):  # the directory's disk fills while the background writes
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TorchDcpWriter, "write_file", fill_disk)
+    future = compat.async_save({"t": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    with pytest.raises(CheckpointException, match="No space left on device") as caught:
+        future.result(timeout=60)
+    assert isinstance(caught.value, LoadError) and caught.value.phase == "save"
+    assert isinstance(future.exception(), CheckpointException)
+    with pytest.raises(LoadError) as plain:  # dcp_load's own async_save keeps its plain LoadError
+        dcp_load.async_save({"t": torch.ones(2)}, checkpoint_id=str(tmp_path / "ck2"), no_dist=True,
+                            format="torch_dcp").result(timeout=60)
+    assert not isinstance(plain.value, CheckpointException)
+    monkeypatch.undo()
+    failed = SaveFuture(str(tmp_path / "early"))  # a save that failed before async_save returned
+    failed.set_exception(LoadError({0: ["OSError: disk full"]}, "save"))
+    _fails_with_checkpoint_exception(failed)
+    with pytest.raises(CheckpointException, match="disk full"):
+        failed.result()

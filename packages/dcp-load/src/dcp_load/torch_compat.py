@@ -25,12 +25,14 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 from ._errors import LoadError
 from ._load import load as _load
 from .layouts._stateful import is_stateful
 from .saving._async import async_save as _async_save
+from .saving._future import SaveFuture
 from .saving._rank_values import with_other_ranks_values
 from .saving._save import save as _save
 
@@ -114,17 +116,42 @@ def async_save(state_dict: Mapping[str, Any], *, checkpoint_id: _PathLike = None
     ``staging_completion`` and ``upload_completion``. Given a stager that stages in the
     background (``StagingOptions(use_async_staging=True)``), torch returns an
     ``AsyncSaveResponse`` instead of a future, and so does this (torchtitan's pinned-memory
-    mode checks for one); its futures are dcp's."""
+    mode checks for one); its futures are dcp's, whose failure is a ``CheckpointException``
+    too, as torch's future raises."""
     state_dict = with_other_ranks_values(state_dict, process_group, no_dist)
     future = _async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                          process_group=process_group, async_checkpointer_type=async_checkpointer_type,
                          async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives,
                          allow_pickle=True, format="torch_dcp")
+    _fails_with_checkpoint_exception(future)
     if not _stages_in_background(async_stager):
         return future
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     return AsyncSaveResponse(staging_completion=future.staging_completion, upload_completion=future)
+
+
+class _CompatSaveFuture(SaveFuture):
+    """``async_save``'s future, whose failure (a ``LoadError``) is also torch DCP's
+    ``CheckpointException``, as torch's future raises."""
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        if isinstance(exception, LoadError):
+            exception.__class__ = _exception_class(type(exception))
+        super().set_exception(exception)
+
+
+def _fails_with_checkpoint_exception(future: SaveFuture) -> None:
+    """Make ``future``'s failure a ``CheckpointException`` too, whether the background save
+    fails after this or failed already (its exception's class swapped in place, without
+    marking the failure as seen: an unread failure is still logged)."""
+    if type(future) is not SaveFuture:
+        return
+    future.__class__ = _CompatSaveFuture
+    if future.done() and not future.cancelled():
+        error = Future.exception(future, 0)
+        if isinstance(error, LoadError):
+            error.__class__ = _exception_class(type(error))
 
 
 def _stages_in_background(stager: Any) -> bool:
