@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 SHAPE = (11, 7)  # uneven over 2 and 4 chunks along either dim (6 + 5 and 3+3+3+2 rows, 4 + 3 and 2+2+2+1 columns)
 #: (sharded dim, local shards per rank): the layouts every case is saved and loaded in
 LAYOUTS = {"dim0": (0, 1), "dim1": (1, 1), "dim0x2": (0, 2), "dim1x2": (1, 2)}
+#: 7 columns in 6 chunks of 2: the last two are empty, placed past the end (torch's own save refuses that)
+EMPTY = {"dim1x3": (1, 3)}
 
 warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
 
@@ -33,7 +35,7 @@ def _full() -> torch.Tensor:
 
 
 def _spec(layout: str, world: int) -> ChunkShardingSpec:
-    dim, per_rank = LAYOUTS[layout]
+    dim, per_rank = {**LAYOUTS, **EMPTY}[layout]
     return ChunkShardingSpec(dim=dim, placements=[f"rank:{i % world}/cpu" for i in range(world * per_rank)])
 
 
@@ -154,4 +156,21 @@ def load_alone(rank: int, world: int, root: str) -> dict[str, str]:
                 _load_into(out, f"{saved} -> dcp {name}", dcp_load.load, path, make, no_dist=True)
         _load_into(out, f"{saved} -> compat st-dim1", compat.load, path,
                    lambda: sharded("dim1", world, poisoned=True), no_dist=True)
+    return out
+
+
+def empty_shards(rank: int, world: int, root: str) -> dict[str, str]:
+    """dcp saves a ShardedTensor whose ranks each hold an empty shard past the tensor's end
+    (native and torch DCP formats); dcp loads it into every destination, and a save of
+    another layout into it."""
+    out: dict[str, str] = {}
+    for fmt in ("native", "torch_dcp"):
+        path = os.path.join(root, f"empty-{fmt}")
+        dcp_load.save({"st": sharded("dim1x3", world), "step": 3}, checkpoint_id=path, format=fmt)
+        for name, make in _targets(world).items():
+            _load_into(out, f"{fmt} dim1x3 -> dcp {name}", dcp_load.load, path, make)
+    path = os.path.join(root, "torch-dim0")
+    tdcp.save({"st": sharded("dim0", world), "step": 3}, checkpoint_id=path)
+    _load_into(out, "torch-dim0 -> dcp st-dim1x3", dcp_load.load, path,
+               lambda: sharded("dim1x3", world, poisoned=True))
     return out

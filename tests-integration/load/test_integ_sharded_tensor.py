@@ -43,3 +43,9 @@ def test_two_rank_saves_load_on_one_rank_without_a_group(tmp_path):
     (out,) = run_ranks(cases.load_alone, 1, str(tmp_path), timeout=300, pg_timeout=120)
     assert len(out) == 3 * (len(cases.LAYOUTS) + 2), out
     assert all(got == "ok" for got in out.values()), {k: v for k, v in out.items() if v != "ok"}
+
+
+def test_empty_local_shards_past_the_end_save_and_load(tmp_path):
+    per_rank = run_ranks(cases.empty_shards, 2, str(tmp_path), timeout=300, pg_timeout=120)
+    assert len(per_rank[0]) == 2 * (len(cases.LAYOUTS) + 3) + 1, per_rank[0]
+    assert not _failed(per_rank), _failed(per_rank)
