@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ._dtypes import numpy_dtype, to_safetensors, torch_dtype_name
+from ._dtypes import itemsize, numpy_dtype, to_safetensors, torch_dtype_name
 from ._errors import (
     CheckpointError,
     MetadataError,
@@ -30,10 +30,11 @@ from .formats._hyper import load_hyper
 from .formats._native import load_native
 from .formats._safetensors_file import SafetensorsFile
 from .formats._torch_dcp import load_blob, load_torch_dcp
-from .formats._torch_save_box import BlobLayouts, read_box, read_box_into
+from .formats._torch_save_box import BlobLayouts, _span, read_box, read_box_into
 from .formats._torch_save_zip import BlobTensor
 from .formats._unpickle import memo_problem
-from .integrity._checksum import BlockSums
+from .integrity._checksum import BlockSums, read_verified
+from .integrity._dcp_blocks import check_loaded, chunk_key, inside, read_box_verified
 from .integrity._hash_worker import HashWorker
 from .integrity._value_sums import check_bytes, check_value
 from .storage._fetch_count import HeadClaims, metering
@@ -83,7 +84,8 @@ class CheckpointReader:
         self.format = metadata.format
         self.allow_pickle = bool(allow_pickle)
         self.verify_checksums = bool(verify_checksums)
-        self._sums: dict[tuple[str, str], BlockSums] = {}
+        # (file, key) of a safetensors chunk, or (file, (offset, length)) of a torch-dcp blob
+        self._sums: dict[tuple[str, Any], BlockSums] = {}
         self._max_open = max_open_files
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._bytes_read = 0
@@ -253,7 +255,7 @@ class CheckpointReader:
             raise ValueError(f"framework must be one of {FRAMEWORKS}, got {framework!r}")
         t, sl = self._box(name, chunk, offsets, sizes)
         if self.format == "torch-dcp":
-            return self._read_dcp(t.dtype, name, chunk, sl, framework)
+            return self._read_dcp(t.dtype, name, chunk, sl, framework, verify)
         f, sums = self._safetensors(name, t.dtype, chunk, verify)
         if framework == "torch":
             out = f.torch_box(chunk.key, t.dtype, sl, sums=sums, name=name, worker=self._hasher)
@@ -278,7 +280,7 @@ class CheckpointReader:
             if f.read_into(chunk.key, sl, t.itemsize, raw, sums=sums, name=name, worker=self._hasher):
                 self._bytes_read += math.prod(sizes) * t.itemsize
                 return
-        elif raw is not None and self._read_dcp_into(t.dtype, name, chunk, sl, raw):
+        elif raw is not None and self._read_dcp_into(t.dtype, name, chunk, sl, raw, verify):
             return
         framework = "numpy" if type(out).__module__.startswith("numpy") else "torch"
         data = self.read(name, chunk, offsets, sizes, framework=framework, verify=verify)
@@ -306,8 +308,15 @@ class CheckpointReader:
             return None
         strides = tuple(st * t.itemsize for st in layout.stride)
         lo = sum(s.start * st for s, st in zip(sl, strides, strict=True))
-        hi = sum((s.stop - 1) * st for s, st in zip(sl, strides, strict=True)) + t.itemsize
-        return f, lo, (hi if math.prod(sizes) else lo), 0, strides, None, chunk.storage[0] + layout.start
+        hi = sum((s.stop - 1) * st for s, st in zip(sl, strides, strict=True)) + t.itemsize if math.prod(sizes) else lo
+        base = chunk.storage[0] + layout.start
+        sums = self._dcp_sums(f, t.dtype, name, chunk, verify)
+        if sums is None or hi == lo or sums.done(lo, hi):
+            return f, lo, hi, 0, strides, None, base
+        nbytes = chunk.numel * t.itemsize
+        inside(hi, nbytes, path=f.path, name=name)
+        a, b = sums.span(lo, hi, nbytes)
+        return f, a, b, lo - a, strides, sums, base
 
     def covering_bytes(self, name: str, chunk: ChunkMeta, offsets: tuple[int, ...], sizes: tuple[int, ...], *,
                        verify: bool = True) -> int | None:
@@ -339,7 +348,11 @@ class CheckpointReader:
         raw = buf[:hi - lo]
         if self.format == "torch-dcp":
             self._layouts.counts["narrowed"] += 1
-            pread_into(f.fd, raw.numpy(), base + lo, path=f.path, key=name)
+            if sums is not None:
+                read_verified(f.fd, raw.numpy(), base + lo, lo, sums, worker=self._hasher, path=f.path,
+                              key=chunk_key(name, chunk.offsets), name=name)
+            else:
+                pread_into(f.fd, raw.numpy(), base + lo, path=f.path, key=name)
         else:
             f.read_range(chunk.key, lo, raw.numpy(), sums=sums, name=name, worker=self._hasher)
         nbytes = math.prod(sizes) * t.itemsize
@@ -382,11 +395,38 @@ class CheckpointReader:
                                 f"metadata says {dtype} {list(chunk.sizes)}", path=f.path, key=name)
         return f, layout
 
-    def _read_dcp_into(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], raw: Any) -> bool:
-        """A box contiguous in a narrowable blob, read straight into ``raw``; False when not."""
+    def _dcp_sums(self, f: _RawFile, dtype: str, name: str, chunk: ChunkMeta, verify: bool) -> BlockSums | None:
+        """The parsed block checksums of a torch-dcp chunk (dcp-checksums.json) when they are
+        to be verified (``verify`` and the reader's ``verify_checksums``); kept per blob, so
+        that a block is verified once per reader."""
+        if not (verify and self.verify_checksums and chunk.checksum is not None):
+            return None
+        sums = self._sums.get((chunk.file, chunk.storage))
+        if sums is None:
+            sums = BlockSums.parse(chunk.checksum, chunk.numel * itemsize(dtype), path=f.path,
+                                   key=chunk_key(name, chunk.offsets))
+            self._sums[(chunk.file, chunk.storage)] = sums
+        return sums
+
+    def _read_dcp_into(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], raw: Any,
+                       verify: bool = True) -> bool:
+        """A box contiguous in a narrowable blob, read straight into ``raw``; False when not
+        (also when checksums still to be verified need more bytes than the box)."""
         f, layout = self._dcp_layout(dtype, name, chunk)
         if layout is None:
             return False
+        sums = self._dcp_sums(f, dtype, name, chunk, verify)
+        if sums is not None:
+            _, lo, hi, contiguous = _span(layout, sl, itemsize(dtype))
+            if hi > lo and not sums.done(lo, hi):
+                nbytes = chunk.numel * itemsize(dtype)
+                if not contiguous or hi > nbytes or sums.span(lo, hi, nbytes) != (lo, hi):
+                    return False  # read() reads and verifies the whole blocks
+                read_verified(f.fd, raw, chunk.storage[0] + layout.start + lo, lo, sums, worker=self._hasher,
+                              path=f.path, key=chunk_key(name, chunk.offsets), name=name)
+                self._layouts.counts["narrowed"] += 1
+                self._bytes_read += hi - lo
+                return True
         n = read_box_into(f.fd, chunk.storage[0], layout, sl, raw, path=f.path, key=name,
                           counts=self._layouts.counts)
         if n is None:
@@ -394,12 +434,18 @@ class CheckpointReader:
         self._bytes_read += n
         return True
 
-    def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str) -> Any:
+    def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str,
+                  verify: bool = True) -> Any:
         f, layout = self._dcp_layout(dtype, name, chunk)
+        sums = self._dcp_sums(f, dtype, name, chunk, verify)
         if layout is None:
-            return self._read_dcp_whole(f, dtype, name, chunk, sl, framework)
-        arr, n = read_box(f.fd, chunk.storage[0], layout, sl, path=f.path, key=name,
-                          counts=self._layouts.counts)
+            return self._read_dcp_whole(f, dtype, name, chunk, sl, framework, sums)
+        got = None if sums is None else read_box_verified(
+            f.fd, chunk.storage[0] + layout.start, layout, sl, sums, worker=self._hasher, path=f.path,
+            key=chunk_key(name, chunk.offsets), name=name, counts=self._layouts.counts)
+        if got is None:
+            got = read_box(f.fd, chunk.storage[0], layout, sl, path=f.path, key=name, counts=self._layouts.counts)
+        arr, n = got
         self._bytes_read += n
         if framework == "torch":
             import torch
@@ -411,9 +457,10 @@ class CheckpointReader:
         return numpy_to_mindspore(out, dtype) if framework == "mindspore" else out
 
     def _read_dcp_whole(self, f: _RawFile, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...],
-                        framework: str) -> Any:
+                        framework: str, sums: BlockSums | None = None) -> Any:
         """A box of a blob whose layout cannot be narrowed: torch.load(weights_only=True) of
-        the whole blob (the last one decoded is kept)."""
+        the whole blob (the last one decoded is kept), its tensor's blocks checked against
+        ``sums`` when given."""
         blob = self._blob
         if blob is None or blob[0] != chunk.file or blob[1] != chunk.storage:
             tensor = self._blob_of(f, name, chunk.storage, weights_only=True)
@@ -429,6 +476,8 @@ class CheckpointReader:
             self._bytes_read += chunk.storage[1]
             self._layouts.counts["whole"] += 1
             blob = self._blob = (chunk.file, chunk.storage, tensor)
+        if sums is not None and not sums.done(0, chunk.numel * itemsize(dtype)):
+            check_loaded(blob[2], sums, path=f.path, key=chunk_key(name, chunk.offsets), name=name)
         out = blob[2][sl].clone()  # memory of its own: the blob stays cached for the next read
         if framework != "torch":
             out = torch_to_numpy(out, dtype)
@@ -450,7 +499,7 @@ class CheckpointReader:
                 check_value(name, v.value, v.checksum, path=self.path)
             return copy.deepcopy(v.value)
         if self.format == "torch-dcp":
-            return self._read_dcp_value(name, v.file, v.storage)
+            return self._read_dcp_value(name, v.file, v.storage, v.checksum if self.verify_checksums else None)
         if not self.allow_pickle:
             raise UnsafePickleError(f"value {name!r} is pickled in {v.file!r}; loading it could run code "
                                     "from the checkpoint. Pass allow_pickle=True only if you trust it",
@@ -488,7 +537,10 @@ class CheckpointReader:
             close_fd(fd)
         return _trusted_pickle(raw, path, name)
 
-    def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
+    def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None, checksum: str | None) -> Any:
+        """A torch-dcp value: its blob checked against ``checksum`` when given (ChecksumError),
+        then loaded with torch.load(weights_only=True), or with weights_only=False where the
+        caller opted in (``allow_pickle``)."""
         if storage is None:
             raise MetadataError(f"value {name!r} has no storage (offset, length)", path=self.path, key=name)
         f = self._open(file, name)
@@ -496,7 +548,7 @@ class CheckpointReader:
             raise TruncatedFileError(f"{name!r} is stored at bytes [{storage[0]}, {sum(storage)}) but the "
                                      f"file has {f.size} bytes; re-copy it", path=f.path, key=name)
         try:
-            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True)
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True, checksum=checksum)
         except pickle.UnpicklingError as e:
             if not self.allow_pickle:
                 raise UnsafePickleError(f"value {name!r} holds objects that torch.load(weights_only=True) "
@@ -508,12 +560,13 @@ class CheckpointReader:
             raise
         except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version
             raise _corrupt_blob(f.path, name, storage, e) from None
-        return self._blob_of(f, name, storage, weights_only=False)  # opted in by the caller
+        return self._blob_of(f, name, storage, weights_only=False, checksum=checksum)  # opted in by the caller
 
     @staticmethod
-    def _blob_of(f: _RawFile, name: str, storage: tuple[int, int], *, weights_only: bool) -> Any:
+    def _blob_of(f: _RawFile, name: str, storage: tuple[int, int], *, weights_only: bool,
+                 checksum: str | None = None) -> Any:
         try:
-            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=weights_only)
+            return load_blob(f.fd, storage, path=f.path, key=name, weights_only=weights_only, checksum=checksum)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - torch.load's errors on corrupt bytes vary by version

@@ -140,8 +140,12 @@ def verify(path: str, *, out=None, clock: Callable[[], float] | None = None) -> 
         return 2
     for problem in report.problems:
         print(f"PROBLEM {problem}", file=out)
-    checked = (f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
-               if report.chunks_with_checksums else "no checksums: structure, sizes and coverage checked")
+    if report.chunks_with_checksums:
+        checked = f"{report.chunks_with_checksums} with checksums, {human_bytes(report.bytes_verified)} verified"
+    elif report.format == "torch-dcp":  # torch's own save writes none; dcp's adds dcp-checksums.json
+        checked = "no checksums (not saved by dcp: no dcp-checksums.json): structure, sizes and coverage checked"
+    else:
+        checked = "no checksums: structure, sizes and coverage checked"
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
     values = (f", {report.values} values ({report.values_with_checksums} with checksums)"
               if report.values else "")

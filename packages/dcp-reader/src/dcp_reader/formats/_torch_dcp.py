@@ -6,12 +6,21 @@ torch code runs, and torch is not even imported). Tensor payloads are torch.save
 (offset, length) in a .distcp file: the reader reads boxes of them narrowed in the file
 (``_torch_save_zip``, ``_torch_save_box``); ``load_blob`` (``torch.load(weights_only=True)``)
 reads values and the blobs that cannot be narrowed.
+
+A checkpoint that dcp wrote in this format has ``dcp-checksums.json`` beside ``.metadata``
+(torch ignores it): the block checksums of every chunk's tensor bytes (the data inside the
+blob, blocks counted from its first byte) and the checksum of every value's whole blob.
+``load_torch_dcp`` attaches them to the chunks and values (``_attach_checksums``), so that
+the reader verifies what it reads; one torch wrote has none and is read unverified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import os
+import re
 from typing import Any
 
 from .._dtypes import DTYPE_NAMES
@@ -25,19 +34,33 @@ from .._errors import (
     short_repr,
     summarise,
 )
+from .._json import load_json
 from .._model import CheckpointMetadata, ChunkMeta, TensorMeta, ValueMeta
+from ..integrity._checksum import ALGORITHM, BLOCK_BYTES, BlockSums
+from ..integrity._value_sums import check_bytes
+from ..integrity._value_sums import parse as parse_value_sum
 from ..storage._names import METADATA_LIMIT
 from ..storage._pread import pread_into
 from ..storage._roots import check_files, file_size, read_regular
+from ._native import SAVE_ID_RE
 from ._torch_save_zip import check_blob_pickles
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
 
 # Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.
-__all__ = ["METADATA_FILE", "_ALLOWED", "_TORCH_DTYPES", "_Dtype", "_Record", "_RestrictedUnpickler",
+__all__ = ["CHECKSUMS_FILE", "METADATA_FILE", "_ALLOWED", "_TORCH_DTYPES", "_Dtype", "_Record", "_RestrictedUnpickler",
            "load_blob", "load_torch_dcp"]
 
 METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
+#: dcp's side file of block checksums (``write._torch_dcp_writer``): {"tensors": {name:
+#: {"<offsets joined by ,>": "<block checksum string>"}}, "values": {name: checksum}}
+CHECKSUMS_FILE = "dcp-checksums.json"
+# The data files dcp's writer names (``__<rank>_<save id>.distcp``, ``__values_<save id>.distcp``);
+# torch's own are ``__<rank>_<n>.distcp``.
+_DCP_DATA_RE = re.compile(rf"__(?:\d+|values)_{SAVE_ID_RE.pattern}\.distcp")
+_BLOCK_SUM_RE = re.compile(rf"{re.escape(ALGORITHM)}/[1-9][0-9]{{0,15}}:(?:[0-9a-f]{{16}}(?:,[0-9a-f]{{16}})*)?")
+
+logger = logging.getLogger(__name__)
 
 
 def _neutral(dtype: Any, path: str, fqn: str) -> str:
@@ -158,10 +181,12 @@ def check_storage(root_real: str, stored: list[tuple[str, str, tuple[int, int]]]
                             path=root_real, key=overlap[0][0], offenders=[n for n, _ in overlap])
 
 
-def load_torch_dcp(root_real: str, *, check: bool = True) -> CheckpointMetadata:
+def load_torch_dcp(root_real: str, *, check: bool = True, checksums: bool = True) -> CheckpointMetadata:
     """The metadata of a torch DCP checkpoint, with every file checked (inside the directory,
     regular) and every stored byte range checked against its file's size, before any read
-    (``check=False``: not checked; ``verify`` checks each file on its own)."""
+    (``check=False``: not checked; ``verify`` checks each file on its own), and the checksums
+    of ``dcp-checksums.json`` attached to its chunks and values when dcp wrote it
+    (``checksums=False``: not read)."""
     path = os.path.join(root_real, METADATA_FILE)
     md = _unpickle_metadata(root_real, path)
     try:
@@ -169,6 +194,8 @@ def load_torch_dcp(root_real: str, *, check: bool = True) -> CheckpointMetadata:
     except _STRUCTURE_ERRORS as e:
         raise MetadataError(f"unexpected metadata structure ({type(e).__name__}: {str(e)[:200]})",
                             path=path) from None
+    if checksums:
+        tensors, values = _attach_checksums(root_real, tensors, values)
     files = [(c.file, n) for n, t in tensors.items() for c in t.chunks]
     files += [(v.file, n) for n, v in values.items() if v.file]
     if check:
@@ -180,6 +207,119 @@ def load_torch_dcp(root_real: str, *, check: bool = True) -> CheckpointMetadata:
         raise e.with_path(path) from None
 
 
+def _checksums_limit(tensors: dict[str, TensorMeta], values: dict[str, ValueMeta]) -> int:
+    """The most bytes ``dcp-checksums.json`` of this metadata takes as dcp writes it (names
+    escaped to ASCII, 17 bytes per 4 MiB block), with room to spare: a larger one is refused
+    before it is read."""
+    n = 64 * 1024
+    for name, t in tensors.items():
+        n += 12 * len(name) + 16
+        for c in t.chunks:
+            n += 21 * len(c.offsets) + 64 + 17 * (c.numel * t.itemsize // BLOCK_BYTES + 1)
+    return min(METADATA_LIMIT, n + sum(12 * len(name) + 64 for name in values))
+
+
+def _attach_checksums(root_real: str, tensors: dict[str, TensorMeta], values: dict[str, ValueMeta]
+                      ) -> tuple[dict[str, TensorMeta], dict[str, ValueMeta]]:
+    """``tensors`` and ``values`` with the checksums of ``dcp-checksums.json``; unchanged
+    when there is none (torch wrote the checkpoint) or when it was left by an earlier dcp
+    save and torch saved since (the metadata names none of dcp's data files). A file that is
+    too large, not the JSON dcp writes, or that does not match the metadata entry for entry
+    (a name, offsets or value the metadata lacks or that it lacks, a wrong block count) is a
+    MetadataError naming it."""
+    named = {c.file for t in tensors.values() for c in t.chunks} | {v.file for v in values.values() if v.file}
+    path = os.path.join(root_real, CHECKSUMS_FILE)
+    try:
+        size = file_size(root_real, CHECKSUMS_FILE, key=CHECKSUMS_FILE)
+    except MissingFileError:
+        return tensors, values
+    if named and not any(_DCP_DATA_RE.fullmatch(f) for f in named):
+        logger.warning("%s: ignored: the metadata names only torch's own data files (%s), so torch saved "
+                       "over a checkpoint dcp wrote; the checkpoint is read without checksums", path,
+                       summarise(sorted(named), 3))
+        return tensors, values
+    limit = _checksums_limit(tensors, values)
+    if size > limit:
+        raise MetadataError(f"{size} bytes, more than the {limit} bytes the checksums of the metadata's "
+                            f"{len(tensors)} tensors and {len(values)} values take: the file is corrupt or not "
+                            "dcp's; re-save the checkpoint, or delete the file to read it unverified",
+                            path=path, key=CHECKSUMS_FILE)
+    doc = load_json(read_regular(root_real, CHECKSUMS_FILE, limit=limit, key=CHECKSUMS_FILE), path,
+                    "the checksums file is corrupt: re-save the checkpoint, or delete it to read unverified")
+    if not isinstance(doc, dict) or set(doc) != {"tensors", "values"} or not all(
+            isinstance(doc[k], dict) for k in doc):
+        raise MetadataError("not the checksums dcp writes: a JSON object with exactly the objects 'tensors' and "
+                            f"'values' was expected, got {short_repr(doc if not isinstance(doc, dict) else sorted(doc))}"
+                            "; re-save the checkpoint, or delete the file to read it unverified",
+                            path=path, key=CHECKSUMS_FILE)
+    problems: list[tuple[str, str]] = []
+    tensors = _tensor_sums(doc["tensors"], tensors, path, problems)
+    values = _value_sums(doc["values"], values, path, problems)
+    if problems:
+        raise MetadataError(f"{len(problems)} checksum entr(ies) do not match the metadata: "
+                            f"{summarise([m for _, m in problems])}. The file is corrupt or belongs to another "
+                            "save; re-save the checkpoint, or delete the file to read it unverified",
+                            path=path, key=problems[0][0], offenders=[n for n, _ in problems])
+    return tensors, values
+
+
+def _tensor_sums(doc: dict[str, Any], tensors: dict[str, TensorMeta], path: str,
+                 problems: list[tuple[str, str]]) -> dict[str, TensorMeta]:
+    """``tensors`` with each chunk's checksum from ``doc`` (``{name: {offsets: sum}}``),
+    every mismatch appended to ``problems`` as (name, message)."""
+    out: dict[str, TensorMeta] = {}
+    for name in sorted(set(doc) - set(tensors))[:100]:
+        problems.append((name, f"tensor {short_repr(name)} is not in the metadata"))
+    for name, t in tensors.items():
+        sums = doc.get(name)
+        out[name] = t
+        if not isinstance(sums, dict):
+            problems.append((name, f"tensor {name!r} has {'no checksums' if sums is None else short_repr(sums)}, "
+                                   "not an object of its chunks' checksums"))
+            continue
+        want = {",".join(map(str, c.offsets)) for c in t.chunks}
+        extra = sorted(set(sums) - want)
+        if extra:
+            problems.append((name, f"tensor {name!r} has no chunk at offsets {short_repr(extra)}"))
+        chunks = []
+        for c in t.chunks:
+            text = sums.get(",".join(map(str, c.offsets)))
+            where = f"the chunk of tensor {name!r} at offsets {list(c.offsets)}"
+            if not isinstance(text, str) or not _BLOCK_SUM_RE.fullmatch(text):
+                problems.append((name, f"{where} has checksum {short_repr(text)}, not "
+                                       f"'{ALGORITHM}/<block>:<16 hex digits>,...'"))
+                continue
+            try:
+                BlockSums.parse(text, c.numel * t.itemsize, path=path, key=name)
+            except MetadataError as e:
+                problems.append((name, f"{where}: {e.message}"))
+                continue
+            chunks.append(dataclasses.replace(c, checksum=text))
+        if len(chunks) == len(t.chunks) and not extra:
+            out[name] = dataclasses.replace(t, chunks=tuple(chunks))
+    return out
+
+
+def _value_sums(doc: dict[str, Any], values: dict[str, ValueMeta], path: str,
+                problems: list[tuple[str, str]]) -> dict[str, ValueMeta]:
+    """``values`` with each one's checksum from ``doc`` (``{name: sum}``), every mismatch
+    appended to ``problems``."""
+    out = dict(values)
+    for name in sorted(set(doc) - set(values))[:100]:
+        problems.append((name, f"value {short_repr(name)} is not in the metadata"))
+    for name, v in values.items():
+        text = doc.get(name)
+        try:
+            if not isinstance(text, str):
+                raise MetadataError(f"value {name!r} has checksum {short_repr(text)}, not a str", key=name)
+            parse_value_sum(text, path=path, name=name)
+        except MetadataError as e:
+            problems.append((name, e.message))
+            continue
+        out[name] = dataclasses.replace(v, checksum=text)
+    return out
+
+
 def stored_ranges(tensors: dict[str, TensorMeta], values: dict[str, ValueMeta]
                   ) -> list[tuple[str, str, tuple[int, int]]]:
     """(file, name, (offset, length)) of every stored chunk and value."""
@@ -187,14 +327,18 @@ def stored_ranges(tensors: dict[str, TensorMeta], values: dict[str, ValueMeta]
     return stored + [(v.file, n, v.storage) for n, v in values.items() if v.file and v.storage is not None]
 
 
-def load_blob(fd: int, storage: tuple[int, int], *, path: str, key: str, weights_only: bool = True) -> Any:
-    """torch.load of the torch.save blob at ``storage`` in the open file ``fd``, its pickles
-    checked first (``check_blob_pickles``: UnsafePickleError, MetadataError); a short read
-    is TruncatedFileError, anything torch.load raises is left to the caller."""
+def load_blob(fd: int, storage: tuple[int, int], *, path: str, key: str, weights_only: bool = True,
+              checksum: str | None = None) -> Any:
+    """torch.load of the torch.save blob at ``storage`` in the open file ``fd``, its bytes
+    checked against ``checksum`` first when given (ChecksumError naming ``key`` and the
+    file), then its pickles (``check_blob_pickles``: UnsafePickleError, MetadataError); a
+    short read is TruncatedFileError, anything torch.load raises is left to the caller."""
     import torch
 
     offset, length = storage
     buf = bytearray(length)
     pread_into(fd, buf, offset, path=path, key=key)
+    if checksum is not None:
+        check_bytes(key, os.path.basename(path), buf, checksum, path=path, at=storage)
     check_blob_pickles(fd, offset, length, buf, path=path, key=key)
     return torch.load(io.BytesIO(buf), map_location="cpu", weights_only=weights_only)

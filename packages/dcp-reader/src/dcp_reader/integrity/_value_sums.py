@@ -71,12 +71,15 @@ def check_value(name: str, value: Any, checksum: str, *, path: str | None) -> No
                             "error, or edited). Re-copy or re-save the checkpoint", path=path, key=name)
 
 
-def check_bytes(name: str, file: str, raw: Any, checksum: str, *, path: str | None) -> None:
+def check_bytes(name: str, file: str, raw: Any, checksum: str, *, path: str | None,
+                at: tuple[int, int] | None = None) -> None:
     """ChecksumError naming value ``name`` and ``file`` when ``raw`` (the bytes of the file
-    holding it) is not what was saved; before anything in it is unpickled."""
+    holding it, or those at ``at`` = (offset, length) in it: a torch DCP blob) is not what
+    was saved; before anything in it is unpickled."""
     want = parse(checksum, path=path, name=name)
     got = _xxh3(raw)
     if got != want:
-        raise ChecksumError(f"value {name!r} is stored in {file!r}, whose {len(raw)} bytes have {ALGORITHM} "
+        where = f"in {file!r}, whose" if at is None else f"at bytes [{at[0]}, {at[0] + at[1]}) of {file!r}, which"
+        raise ChecksumError(f"value {name!r} is stored {where} {len(raw)} bytes have {ALGORITHM} "
                             f"{got:016x} but {want:016x} was recorded when it was saved: the file is corrupt "
                             "(storage or copy error). Re-copy or re-save the checkpoint", path=path, key=name)

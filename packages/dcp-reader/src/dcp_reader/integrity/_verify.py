@@ -7,17 +7,20 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .._dtypes import itemsize
 from .._errors import CheckpointError, MetadataError, MissingFileError, MissingMetadataError, summarise
-from .._model import CheckpointMetadata
+from .._model import CheckpointMetadata, ChunkMeta
 from .._reader import CheckpointReader, open_checkpoint
 from ..formats._detect import detect_format
 from ..formats._hf import INDEX_FILE, INDEX_LIMIT, load_hf
 from ..formats._native import load_native, stray_among, stray_files
-from ..formats._torch_dcp import check_storage, load_torch_dcp, stored_ranges
+from ..formats._torch_dcp import CHECKSUMS_FILE, check_storage, load_torch_dcp, stored_ranges
 from ..storage._names import METADATA_LIMIT
+from ..storage._pread import pread_bytes
 from ..storage._protocol import Storage, StorageFile
 from ..storage._roots import read_regular, storage_at
 from ..storage._uri import real_root
+from ._dcp_blocks import check_loaded, chunk_key, verify_chunk
 from ._value_sums import check_bytes, check_value
 
 
@@ -46,8 +49,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
     directory, coverage of every tensor by its chunks: what ``open_checkpoint`` checks),
     every data file's header against its size and against the metadata (shape, dtype,
     key), torch DCP byte ranges against file sizes, every block of every chunk that has
-    checksums (native format), reading each file once in 64 MiB windows, and every value
-    that has a checksum (its JSON text, or the bytes of its file: nothing is unpickled).
+    checksums (native format; torch DCP that dcp wrote: ``dcp-checksums.json``), reading
+    each file once in 64 MiB windows, and every value that has a checksum (its JSON text,
+    the bytes of its file, or of its torch DCP blob: nothing is unpickled). A torch DCP
+    checksums file that cannot be used is a problem, and the rest is checked without it.
 
     Missing, truncated and unreadable data files are problems (one line each, naming what
     they hold), and the other files are still checked; the counts are the checkpoint's own,
@@ -66,9 +71,13 @@ def verify_checkpoint(path: str | os.PathLike[str], *, format: str | None = None
         for name, t in meta.tensors.items():
             for c in t.chunks:
                 chunks += 1
-                if r.format == "torch-dcp" or c.file in bad.files:
-                    continue  # byte ranges were checked against file sizes when opening; bad: listed
+                if c.file in bad.files or (r.format == "torch-dcp" and c.checksum is None):
+                    continue  # torch DCP byte ranges were checked against file sizes when opening; bad: listed
                 try:
+                    if r.format == "torch-dcp":
+                        with_sums += 1
+                        verified += _verify_dcp_chunk(r, name, t.dtype, c)
+                        continue
                     f, sums = r._safetensors(name, t.dtype, c)
                     if sums is not None:
                         with_sums += 1
@@ -98,15 +107,36 @@ class _Bad:
     chunks: int = 0
 
 
+def _verify_dcp_chunk(r: CheckpointReader, name: str, dtype: str, c: ChunkMeta) -> int:
+    """Every block of a torch DCP chunk that has checksums (its blob loaded whole where its
+    layout cannot be read in place); the bytes checked."""
+    f, layout = r._dcp_layout(dtype, name, c)
+    sums = r._dcp_sums(f, dtype, name, c, True)
+    assert sums is not None and c.storage is not None
+    nbytes = c.numel * itemsize(dtype)
+    if layout is None:
+        r._read_dcp_whole(f, dtype, name, c, tuple(slice(0, 0) for _ in c.sizes), "torch")
+        assert r._blob is not None
+        check_loaded(r._blob[2], sums, path=f.path, key=chunk_key(name, c.offsets), name=name)
+        return nbytes
+    return verify_chunk(f.fd, c.storage[0] + layout.start, nbytes, sums, worker=r._hasher, path=f.path,
+                        key=chunk_key(name, c.offsets), name=name)
+
+
 def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointReader, _Bad]:
     """The reader of the checkpoint's good files, and its bad ones. A checkpoint that opens
     has none (bad headers of native files are found entry by entry); else its metadata is
     read again without the file checks, each file is checked on its own, and HF files whose
-    header cannot be read are left out of the metadata."""
+    header cannot be read are left out of the metadata. A torch DCP checksums file that
+    cannot be used is a problem: the checkpoint is then checked without it."""
     try:
         return open_checkpoint(path, format=format), _Bad()
-    except (MissingMetadataError, MetadataError):
+    except MissingMetadataError:
         raise
+    except MetadataError as e:
+        if not _about_checksums(e):
+            raise
+        first: CheckpointError = e
     except CheckpointError as e:
         first = e
     root = real_root(path)  # a local path resolved, or an s3:// root as it is
@@ -121,14 +151,30 @@ def _open(path: str | os.PathLike[str], format: str | None) -> tuple[CheckpointR
         meta = load_native(root)
         bad = _missing(storage, meta, first)
     elif fmt == "torch-dcp":
-        meta = load_torch_dcp(root, check=False)
+        meta, unusable = _torch_dcp_meta(root)
         bad = _missing(storage, meta, first)
+        bad.lines[:0] = unusable
         _check_ranges(root, meta, bad)
     elif fmt in ("hf", "torch-dcp-hf"):
         meta, bad = _hf_without_bad(root, fmt == "torch-dcp-hf", storage, first)
     else:
         raise first
     return CheckpointReader(root, meta), bad
+
+
+def _about_checksums(e: CheckpointError) -> bool:
+    return (e.path or "").endswith("/" + CHECKSUMS_FILE)
+
+
+def _torch_dcp_meta(root: str) -> tuple[CheckpointMetadata, list[str]]:
+    """A torch DCP checkpoint's metadata without the file checks, with its checksums, or
+    without them and the problem line of the checksums file when it cannot be used."""
+    try:
+        return load_torch_dcp(root, check=False), []
+    except CheckpointError as e:
+        if not _about_checksums(e):
+            raise
+        return load_torch_dcp(root, check=False, checksums=False), [str(e)]
 
 
 def _holds(meta: CheckpointMetadata) -> dict[str, list[str]]:
@@ -271,6 +317,11 @@ def _verify_values(r: CheckpointReader, problems: list[str], missing: set[str]) 
         try:
             if v.file is None:
                 check_value(name, v.value, v.checksum, path=r.path)
+                continue
+            if r.format == "torch-dcp" and v.storage is not None:  # its blob, not the file
+                f = r._open(v.file, name)
+                raw = pread_bytes(f.fd, v.storage[1], v.storage[0], path=f.path, key=name)
+                check_bytes(name, v.file, raw, v.checksum, path=f.path, at=v.storage)
                 continue
             if v.file not in raws:
                 try:
