@@ -656,7 +656,8 @@ def open_checkpoint(path: str | os.PathLike[str], *, format: str | None = None, 
     """Open a checkpoint directory: detect (or take) its format, read and validate its
     metadata (file names, existence, coverage; a directory's metadata is reused while none
     of its files changed, ``_opened``), and return a reader. ``verify_checksums``:
-    check the block checksums (native format) of every block a read touches. Every problem with the
+    check the block checksums (native format; torch DCP that dcp saved, ``dcp-checksums.json``)
+    of every block a read touches, and the checksum of every value read. Every problem with the
     checkpoint is a CheckpointError; ValueError/TypeError only for bad arguments.
 
     ``rank``: for hyper-parallel checkpoints saved without collectives (no ``.metadata``,
