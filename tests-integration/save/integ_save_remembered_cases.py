@@ -128,7 +128,7 @@ def alternating_kinds(rank: int, world: int, root: str) -> dict[str, Any]:
          dcp_load.save(sd, checkpoint_id=path))
         per_save.append(counts.take()[0])
         holds.append(base.holds(path, gen))
-    kept = list(_agreed._REMEMBERED.get("world", []))
+    kept = list(_agreed._REMEMBERED.get("world/native", []))  # per group and format
     return {"exchanges": per_save, "holds": holds, "kept": len(kept),
             "metadata_kept": [e.tensors is not None for e in kept],
             "fields": sorted(vars(kept[0])) if kept else []}

@@ -298,8 +298,11 @@ def test_the_lock_file_follows_the_umask_like_the_data_files(tmp_path):
 
 
 def test_a_lock_file_this_user_cannot_write_still_locks(saved, monkeypatch):
-    # another user's lock file (mode 644 from an earlier save): flock needs no write access
+    # another user's lock file (mode 644, left by a save of theirs that was killed): flock
+    # needs no write access
     import dcp_reader.write._save_lock as save_lock
+
+    (saved / LOCK).write_bytes(b"")
 
     real_open = os.open
 

@@ -182,3 +182,40 @@ def test_commit_makes_a_new_checkpoint_directory_durable(tmp_path, monkeypatch):
         ChunkMeta((0,), (2,), data_file_name(0, "0" * 12), "t@0"),))}, values={}, format="native"))
     meta = next(i for i, p in enumerate(synced) if os.path.basename(p).startswith("dcp-metadata.json"))
     assert str(tmp_path) in synced[meta:], synced  # after the metadata: the commit made the directory durable
+
+
+def test_a_finished_save_leaves_no_lock_file(tmp_path):
+    lock = NativeWriter(tmp_path).lock()
+    assert os.listdir(tmp_path) == [".dcp-save.lock"]
+    lock.committed()  # no note: nothing to keep for the next writer
+    lock.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_writer_that_locked_a_removed_lock_file_opens_again(tmp_path, monkeypatch):
+    # The first holder removes the file on release; a writer that opened it just before then
+    # locks an unlinked file, while a third creates a new one: it must open again, so that
+    # only one of them holds the directory.
+    import dcp_reader.write._save_lock as save_lock
+
+    first = NativeWriter(tmp_path).lock()
+    real_flock_open = save_lock.WriterLock._open
+    calls = []
+
+    def open_then_release_first(self):
+        fd = real_flock_open(self)
+        if not calls:  # the holder (another process, in life) releases: removes the file, then unlocks
+            os.unlink(first.file)
+            os.close(first._fd)
+            first._fd = -1
+        calls.append(fd)
+        return fd
+
+    monkeypatch.setattr(save_lock.WriterLock, "_open", open_then_release_first)
+    second = NativeWriter(tmp_path).lock()
+    assert len(calls) == 2  # the unlinked file was left, a new one opened
+    assert os.listdir(tmp_path) == [".dcp-save.lock"]
+    monkeypatch.setattr(save_lock.WriterLock, "_open", real_flock_open)
+    with pytest.raises(WriterLockError):
+        NativeWriter(tmp_path).lock()
+    second.release()

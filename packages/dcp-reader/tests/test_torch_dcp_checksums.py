@@ -94,9 +94,6 @@ def test_every_dtype_loads_equal_and_verified(tmp_path):
                                         if isinstance(v, torch.Tensor))
 
 
-@pytest.mark.xfail(strict=False, reason="TorchDcpWriter.write_file keeps memoryviews of a temporary contiguous "
-                   "copy of a non-contiguous source past its lifetime: the file holds freed memory (the checksums, "
-                   "taken before, catch it)")
 def test_non_contiguous_sources(tmp_path):
     g = torch.Generator().manual_seed(1)
     state = {"t": torch.randn(40, 70, generator=g).t(), "s": torch.randn(30, 30, generator=g)[::2, 3:9],

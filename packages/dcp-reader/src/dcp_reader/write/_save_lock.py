@@ -2,11 +2,14 @@
 
 The lock is taken by the one process that commits (rank 0 of a save) before anything is
 written, and released after the commit. The kernel drops it when its holder dies, so a
-killed save never leaves the directory locked; the file itself stays (it is tiny, hidden,
-and never read as checkpoint data). While held, it records who holds it (pid, host, start
-time and whatever the caller adds), so that a refused writer can name the holder, and the
-next writer can see who committed last (``WriterLock.previous``; a refused or failed
-save does not count).
+killed save never leaves the directory locked (its file stays, unlocked, until the next
+save). While held, it records who holds it (pid, host, start time and whatever the caller
+adds), so that a refused writer can name the holder. ``release`` removes the file while still
+holding the lock, so a finished checkpoint holds nothing that reads as a held lock; a writer
+that locked the file just as it was removed finds its path gone or another file there, and
+opens again. A writer with a note (``WriterLock(path, note)``) that committed leaves its
+record in ``.dcp-last-save.json`` instead, for the next writer to see who committed last
+(``WriterLock.previous``; a refused or failed save does not count).
 
 The record is one line of JSON, a newline and the CRC-32 of that line in 8 hex digits. It is
 written over the previous one and cut to its length (truncating the file to 0 first took
@@ -26,6 +29,7 @@ then drops the lock whatever children it forked meanwhile (a child forked an ins
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -40,6 +44,9 @@ from typing import Any
 
 from ..formats._native import LOCK_FILE
 
+#: The last committed writer's record (``WriterLock.previous``), kept when its note is not empty.
+LAST_SAVE_FILE = ".dcp-last-save.json"
+
 __all__ = ["WriterLock", "WriterLockError"]
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,7 @@ logger = logging.getLogger(__name__)
 # flock errors that mean "no locking here" (some network and FUSE filesystems), not "held"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _RECORD_LIMIT = 64 * 1024  # a record is ~200 bytes; more is not ours and is not read
+_REOPENS = 100  # opens of a lock file removed under this writer before it gives up
 
 
 # The locks this process holds now: a forked child closes their descriptors (module docstring).
@@ -129,38 +137,69 @@ class WriterLock:
         self._started = time.time()
         self._fd = -1
         self._readonly = False
+        self._locked = False  # flock held (False on a filesystem without locks)
 
     def acquire(self) -> WriterLock:
         import fcntl
 
-        with _HELD_LOCK:  # opened and locked while no fork can copy the descriptor unseen
-            fd = self._open()
-            try:
+        for _ in range(_REOPENS):
+            with _HELD_LOCK:  # opened and locked while no fork can copy the descriptor unseen
+                fd = self._open()
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as e:
-                    if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
-                        logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
-                                       "single-writer lock: make sure no other process saves here meanwhile",
-                                       self.path, e)
-                    elif e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-                        raise
-                    else:
-                        self._refuse(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._fd = fd
-            _HELD.add(self)
+                    self._locked = self._flock(fcntl, fd)
+                    if self._locked and not self._still_named(fd):
+                        os.close(fd)  # locked a file its last holder removed on release: open again
+                        continue
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
+                _HELD.add(self)
+            break
+        else:
+            raise WriterLockError(f"{self.path}: the lock file {LOCK_FILE} was replaced {_REOPENS} times while "
+                                  "this save took it: other saves keep starting here", path=self.path)
         try:
-            held = _read_record(fd) or {}
-            last = held.get("last_commit")
-            self.previous = last if isinstance(last, dict) else None
-            self._write({"last_commit": self.previous})
+            self.previous = self._last_commit(fd)
+            self._write({})
         except BaseException:
             self.release()  # closing drops the lock
             raise
         return self
+
+    def _flock(self, fcntl: Any, fd: int) -> bool:
+        """Lock ``fd`` without waiting: True when locked, False on a filesystem without locks;
+        ``WriterLockError`` naming the holder when another process holds it."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno in _NO_LOCKS:  # the filesystem has no locks: saving must still work
+                logger.warning("%s: this filesystem does not support file locks (%s); saving without the "
+                               "single-writer lock: make sure no other process saves here meanwhile", self.path, e)
+                return False
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            self._refuse(fd)
+            raise  # not reached: _refuse raises
+
+    def _still_named(self, fd: int) -> bool:
+        """Whether the lock file's path still names the file ``fd`` locked."""
+        try:
+            st, mine = os.stat(self.file, follow_symlinks=False), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _last_commit(self, fd: int) -> dict[str, Any] | None:
+        """The last committed writer's record: from ``LAST_SAVE_FILE``, or from a lock file
+        an earlier version left (it kept the record there)."""
+        try:
+            with open(os.path.join(self.path, LAST_SAVE_FILE), "rb") as f:
+                doc = _decode(f.read(_RECORD_LIMIT))
+        except (OSError, ValueError):
+            doc = (_read_record(fd) or {}).get("last_commit")
+        return doc if isinstance(doc, dict) else None
 
     def _open(self) -> int:
         flags = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -190,18 +229,33 @@ class WriterLock:
 
     def committed(self) -> None:
         """Record this writer as the last one that committed (what the next writer's
-        ``previous`` shows); call after the commit, while holding the lock."""
-        if self._fd >= 0:
-            self._write({"last_commit": {"pid": os.getpid(), "host": socket.gethostname(),
-                                         "started": self._started, **self.note}})
+        ``previous`` shows), when it has a note; call after the commit, holding the lock."""
+        if self._fd < 0 or self._readonly:
+            return
+        target = os.path.join(self.path, LAST_SAVE_FILE)
+        if not self.note:  # an earlier writer's record would now name the wrong one
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            return
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": self._started, **self.note}
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(_encode(record))
+        os.replace(tmp, target)
 
     def release(self) -> None:
-        """Drop the lock (idempotent); the record stays for the next writer to read."""
+        """Drop the lock (idempotent), removing its file first (module docstring)."""
         with _HELD_LOCK:
             fd, self._fd = self._fd, -1
             _HELD.discard(self)
-        if fd >= 0:
-            os.close(fd)  # closing the only descriptor drops the flock
+        if fd < 0:
+            return
+        if self._locked and not self._readonly and self._still_named(fd):
+            try:
+                os.unlink(self.file)
+            except OSError as e:  # the save is done; a lock file left only looks stale
+                logger.debug("%s: could not remove %s: %s", self.path, LOCK_FILE, e)
+        os.close(fd)  # closing the only descriptor drops the flock
 
     def __enter__(self) -> WriterLock:
         return self if self._fd >= 0 else self.acquire()

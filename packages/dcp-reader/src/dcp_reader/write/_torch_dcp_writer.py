@@ -156,15 +156,18 @@ class TorchDcpWriter(NativeWriter):
         name = self._target(file_name)
         parts: list[Any] = []
         index: dict[str, list[Any]] = {}
+        keep: list[Any] = []  # the views in ``parts`` do not own their memory: hold each copy until put returns
         pos = 0
         for key, t in tensors.items():
             t = _exact(t, key)
+            keep.append(t)
             buffers, n = _blob(t)
             raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
             index[key] = [pos, n, block_digests(raw)]
             parts.extend(buffers)
             pos += n
         n = self.storage.put(name, parts)
+        del keep
         self.storage.put(name + INDEX_SUFFIX, [json.dumps(index, separators=(",", ":")).encode()])
         logger.debug("wrote %s: %d chunks, %d bytes in %.3f s", self.storage.path(name), len(index), n,
                      time.perf_counter() - t0)
