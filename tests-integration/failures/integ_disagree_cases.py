@@ -16,6 +16,7 @@ import torch
 from integ_failure_cases import dp_tp_state, outcome
 
 NAMES = [f"layer{i}.w" for i in range(8)]
+SHORT_S = 5.0  # the timeout= of the cases where one rank waits for the other to arrive
 SHAPE = (16, 8)
 
 
@@ -75,11 +76,25 @@ def pairing_cases(rank: int, world: int, ck: dict[str, str]) -> dict[str, Any]:
     res["bad_argument"] = _case(ck["a"], "a", timeout=0 if rank == 1 else 30.0)
     res["then_a"] = _case(ck["a"], "a")
     res["then_b"] = _case(ck["b"], "b")
-    # A call without collectives on some ranks only.
-    res["no_dist"] = _case(ck["a"], "a", no_dist=rank == 1)
-    res["after_no_dist"] = _case(ck["b"], "b")
-    res["no_collectives"] = _case(ck["b"], "b", use_collectives=rank != 0)
+    # Calls without collectives on one rank (inspecting a checkpoint) take no part: the
+    # collective calls after them pair as they are.
+    if rank == 0:
+        res["alone"] = _case(ck["b"], "b", no_dist=True)
+        res["alone_read"] = dcp_load.read_state_dict(ck["a"])["layer0.w"].equal(values("a", "layer0.w"))
+    res["after_alone_a"] = _case(ck["a"], "a")
+    res["after_alone_b"] = _case(ck["b"], "b")
+    # A call without collectives on one rank where the other calls with them: the other
+    # waits out its timeout and names what this rank called; the next calls pair again.
+    res["no_collectives"] = _case(ck["b"], "b", use_collectives=rank != 1, timeout=SHORT_S)
+    if rank == 1:
+        time.sleep(SHORT_S + 3)  # rank 0's wait expires first
     res["after_no_collectives"] = _case(ck["a"], "a")
+    # A late rank fails alone, fast, naming the call the others moved on to, which its own
+    # next call joins.
+    if rank == 1:
+        time.sleep(SHORT_S + 3)
+    res["late"] = _case(ck["b"], "b", timeout=SHORT_S)
+    res["after_late"] = _case(ck["a"], "a")
     # A save on rank 0 alone (writing a copy) does not shift the loads' pairing.
     if rank == 0:
         dcp_load.save({n: values("a", n) for n in NAMES}, checkpoint_id=ck["scratch"], no_dist=True)

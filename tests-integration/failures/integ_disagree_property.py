@@ -5,7 +5,11 @@ own arguments from a generator seeded by (seed, draw, rank); a shared generator 
 (seed, draw) gives the value a field takes when the ranks agree on it, so that some draws
 agree on everything, most on nearly everything, and a few on little. Each rank loads with
 what it drew and records what happened; then every rank loads with agreeing arguments
-(which must succeed). Targets are poisoned (NaN) before each load.
+(which must succeed). ``no_dist`` and ``use_collectives`` are drawn alike on every rank (a
+call without collectives takes no part in the others' calls: one rank's in place of their
+collective call is one call fewer, not a disagreement); a rank may instead make a call of
+its own without collectives before the drawn one (``alone``) or come late to it (``late``,
+after the others' timeout): both are calls the others never wait for. Targets are poisoned (NaN) before each load.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ FIELDS: dict[str, tuple[tuple[Any, ...], tuple[float, ...]]] = {
     "layout": (("plain", "chunk"), (3, 1)),
     "planner": ((None, "greedy"), (6, 1)),
     "failing": ((None, "argument", "missing_key", "read"), (12, 1, 1, 1)),
+    "alone": ((False, "load", "read"), (8, 1, 1)),  # a call of this rank's own, without collectives, first
+    "late": ((False, True), (24, 1)),  # this rank comes after the others gave up waiting for it
 }
+#: fields every rank draws alike (a difference there is a call fewer, not a disagreement)
+SHARED = ("no_dist", "collectives")
+#: fields a rank draws alone, from a base of False (so that draws agreeing on all have none)
+OWN = ("alone", "late")
 
 
 def draw(seed: int, k: int, rank: int) -> dict[str, Any]:
@@ -44,7 +54,11 @@ def draw(seed: int, k: int, rank: int) -> dict[str, Any]:
     for field, (options, weights) in FIELDS.items():
         base = shared.choices(options, weights)[0]
         mine = own.choices(options, weights)[0]
-        out[field] = base if agree_all or own.random() >= differ else mine
+        if field in OWN:
+            base = False
+        out[field] = base if field in SHARED or agree_all or own.random() >= differ else mine
+    if out["late"]:  # a late rank that also loaded alone the checkpoint the others gave up is read
+        out["alone"] = False  # as having made that call alone (run/_calls.py): it would join their next
     return out
 
 
@@ -118,6 +132,20 @@ def _one(rank: int, world: int, ck: dict[str, str], args: dict[str, Any]) -> dic
     return out
 
 
+def _before(args: dict[str, Any], ck: dict[str, str]) -> None:
+    """What this rank does before its drawn call: a call of its own, or wait past the others' timeout."""
+    import dcp_load
+
+    if args["alone"] == "load":
+        state = _state("plain", False)
+        dcp_load.load(state, checkpoint_id=ck["b"], no_dist=True)
+        assert holds(state, "b")
+    elif args["alone"] == "read":
+        assert set(dcp_load.read_state_dict(ck["a"])) == set(NAMES)
+    if args["late"]:
+        time.sleep(args["timeout"] + 3.0)
+
+
 def draws(rank: int, world: int, ck: dict[str, str], seed: int, count: int) -> list[dict[str, Any]]:
     """``count`` draws, each followed by a load where every rank agrees."""
     import dcp_load
@@ -125,6 +153,7 @@ def draws(rank: int, world: int, ck: dict[str, str], seed: int, count: int) -> l
     records = []
     for k in range(count):
         args = draw(seed, k, rank)
+        _before(args, ck)
         got = _one(rank, world, ck, args)
         which = "ab"[k % 2]
         state = _state("plain", False)

@@ -2,12 +2,15 @@
 
 Real gloo ranks (process-group timeout 10 minutes unless a case says otherwise):
 
-* Load calls pair by their number in each process, every call counted: a call refused on
-  its arguments, or made without collectives (``no_dist``, ``use_collectives=False``) on
-  some ranks only, makes the ranks that made it collectively raise ``LoadError`` naming
-  it at once; the next calls pair as they should (before, rank 0's n-th call ran with
-  rank 1's (n+1)-th and each held half of two checkpoints). A save on rank 0 alone does
-  not shift the loads; a ``no_dist`` load on every rank leaves no key in the store.
+* Collective load calls pair by their number in each process: a call refused on its
+  arguments on one rank makes the others raise ``LoadError`` naming it at once, and the
+  next calls pair as they should (before, rank 0's n-th call ran with rank 1's (n+1)-th and
+  each held half of two checkpoints). Calls without collectives (``no_dist``,
+  ``read_state_dict``, a save on rank 0 alone) take no part: the next collective calls
+  pair. Where one rank calls without collectives while the other calls with them, the
+  other waits out ``timeout`` and names what it called instead; a rank that comes late
+  fails alone, at once, naming the call the others moved on to; the calls after both pair.
+  A ``no_dist`` load on every rank leaves no key in the store.
 * Two checkpoints with one layout (native with checksums, and Hugging Face files without)
   on different ranks: ``LoadError`` on every rank and every planning path, nothing
   written (before, each rank got half of each), naming the checkpoint each rank opened and
@@ -72,13 +75,32 @@ def test_an_argument_error_on_one_rank_keeps_calls_paired(pairing):
         _ok(r["then_b"])
 
 
-@pytest.mark.parametrize("case, odd, words", [("no_dist", 1, "no_dist=True"),
-                                              ("no_collectives", 0, "use_collectives=False")])
-def test_a_call_without_collectives_on_some_ranks(pairing, case, odd, words):
-    _ok(pairing[odd][case])  # that rank loads on its own, as asked
-    _raised(pairing[1 - odd][case], words=words, rank=odd)
+def test_calls_without_collectives_on_one_rank_take_no_part(pairing):
+    _ok(pairing[0]["alone"])
+    assert pairing[0]["alone_read"] is True
     for r in pairing:
-        _ok(r[f"after_{case}"])
+        _ok(r["after_alone_a"])
+        _ok(r["after_alone_b"])
+
+
+def test_a_call_without_collectives_where_the_other_calls_with_them(pairing):
+    _ok(pairing[1]["no_collectives"])  # that rank loads on its own, as asked
+    waited = pairing[0]["no_collectives"]
+    _raised(waited, words="did not reach dcp-load", rank=1, fast=False)
+    assert cases.SHORT_S <= waited["seconds"] < cases.SHORT_S + FAST_S, waited
+    assert "its latest call: load of" in waited["error"]["message"], waited  # what rank 1 called instead
+    assert "use_collectives=False" in waited["error"]["message"], waited
+    for r in pairing:
+        _ok(r["after_no_collectives"])
+
+
+def test_a_late_rank_fails_alone_and_its_next_call_pairs(pairing):
+    _raised(pairing[0]["late"], words="did not reach dcp-load", rank=1, fast=False)
+    late = pairing[1]["late"]
+    _raised(late, words="came after the other ranks gave up on it", rank=1)  # at once, not after a timeout
+    assert "rank 0 is in: load call" in late["error"]["message"], late  # the call they moved on to
+    for r in pairing:
+        _ok(r["after_late"])
 
 
 def test_a_save_on_one_rank_does_not_shift_loads(pairing):

@@ -1,9 +1,9 @@
 """Functions that run inside ranks for test_integ_calls (not a test module).
 
 The n-th call of an operation on every rank pairs with the n-th of the others. A call that
-one rank refuses on its arguments, or that one rank makes once more than the others, must
-not shift the pairing for the rest of the job: after either, the next good call succeeds
-on every rank. ``run_sequence`` plays one sequence of good and bad calls, the same on every
+one rank refuses on its arguments, or that one rank makes after the others gave up waiting
+for it, must not shift the pairing for the rest of the job: after either, the next good
+call succeeds on every rank. ``run_sequence`` plays one sequence of good and bad calls, the same on every
 rank, and reports what each call did and whether a good call of each operation works after.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from dcp_load import LoadError
 
-#: how long a rank waits for the others in these tests: an extra call ends within it
+#: how long a rank waits for the others in these tests: a late rank comes after it
 WAIT_S = 3.0
 
 
@@ -30,12 +30,12 @@ def _groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
-def _transfer(step: int, bad: bool) -> Any:
+def _transfer(step: int, bad: bool, timeout: float = WAIT_S * 10) -> Any:
     rank, world = dist.get_rank(), dist.get_world_size()
     src = {"w": torch.full((8,), float(step))} if rank == 0 else {}
     dst = {"w": torch.full((8,), -1.0)}
     kwargs = {"max_in_flight": 0} if bad else {}
-    rep = dcp_load.transfer(src, dst, timeout=WAIT_S * 10, **kwargs)
+    rep = dcp_load.transfer(src, dst, timeout=timeout, **kwargs)
     assert torch.equal(dst["w"], torch.full((8,), float(step))), (rank, world, dst)
     return rep
 
@@ -49,17 +49,31 @@ def _save(root: str, step: int, bad: bool, kind: str) -> Any:
     return dcp_load.save(sd, checkpoint_id=path, timeout=WAIT_S * 10)
 
 
+def _alone(root: str, step: int) -> None:
+    """A save, a read and a load without collectives, as a rank inspecting a checkpoint makes."""
+    path = os.path.join(root, f"alone-{dist.get_rank()}")
+    dcp_load.save({"w": torch.full((8,), float(step))}, checkpoint_id=path, no_dist=True)
+    assert torch.equal(dcp_load.read_state_dict(path)["w"], torch.full((8,), float(step)))
+    back = {"w": torch.full((8,), -1.0)}
+    dcp_load.load(back, checkpoint_id=path, no_dist=True)
+    assert torch.equal(back["w"], torch.full((8,), float(step)))
+
+
 def _call(op: str, who: int, root: str, step: int) -> tuple[str, float]:
     """One call of ``op`` ("transfer", "save", "async"), bad on rank ``who`` (-1: good on
-    every rank); "extra": rank ``who`` alone calls transfer once more. (outcome, seconds)."""
+    every rank); "late": a transfer that rank ``who`` comes to after the others gave up
+    waiting for it; "alone": rank ``who`` saves, reads and loads without collectives. (outcome, seconds), counted from when the rank calls."""
     rank = dist.get_rank()
+    if op == "late" and rank == who:
+        time.sleep(WAIT_S * 1.5)
     start = time.monotonic()
     try:
-        if op == "extra":
-            if rank != who:  # comes to its next call after the extra one gave up waiting
-                time.sleep(WAIT_S * 1.5)
+        if op == "alone":  # calls without collectives, on one rank: they take part in nothing
+            if rank != who:
                 return "not called", 0.0
-            dcp_load.transfer({"w": torch.zeros(8)}, {"w": torch.zeros(8)}, timeout=WAIT_S)
+            _alone(root, step)
+        elif op == "late":
+            _transfer(step, bad=False, timeout=WAIT_S)
         elif op == "transfer":
             _transfer(step, bad=rank == who)
         else:

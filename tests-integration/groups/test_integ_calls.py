@@ -1,8 +1,9 @@
 """Calls pair up across ranks whatever came before (integ_calls_cases, real gloo ranks): a
 rank that refuses ``transfer``, ``save`` or ``async_save`` on its arguments tells the others
-at once (they raise within seconds, naming it, instead of after the timeout), one rank
-calling ``transfer`` once more than the others fails that call alone, and after any such
-sequence the next good call of every operation succeeds on every rank, with process groups
+at once (they raise within seconds, naming it, instead of after the timeout), a rank that
+comes to ``transfer`` after the others gave up waiting fails alone at once, calls without
+collectives on one rank (``save(no_dist=True)``, ``read_state_dict``, ``load(no_dist=True)``)
+take part in nothing, and after any such sequence the next good call of every operation succeeds on every rank, with process groups
 and file descriptors bounded (hypothesis: random sequences of good and bad calls)."""
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ def test_a_refusal_on_one_rank_is_known_at_once_and_counts(tmp_path):
     _good_after(per_rank)
 
 
-def test_one_extra_transfer_fails_alone(tmp_path):
-    calls = [("extra", 0), ("transfer", -1), ("extra", 1), ("extra", 1), ("save", -1)]
+def test_a_late_rank_fails_alone_and_the_next_calls_pair(tmp_path):
+    calls = [("late", 0), ("transfer", -1), ("late", 1), ("late", 1), ("save", -1)]
     per_rank = run_ranks(cases.run_sequence, 2, str(tmp_path), calls, timeout=300, pg_timeout=120)
     for k, (op, who) in enumerate(calls):
         for rank, r in enumerate(per_rank):
-            outcome = r["outcomes"][k][0]
-            if op == "extra" and rank == who:
+            outcome, seconds = r["outcomes"][k]
+            if op == "late" and rank == who:  # at once, naming the call the other moved on to
+                assert outcome.startswith("LoadError") and "came after the other ranks gave up on it" in outcome, \
+                    (k, outcome)
+                assert seconds < cases.WAIT_S, (k, seconds)
+            elif op == "late":  # waited out its timeout for the late rank, naming it
                 assert outcome.startswith("LoadError") and "did not reach dcp-transfer" in outcome, (k, outcome)
-            elif op == "extra":
-                assert outcome == "not called"
             else:
                 assert outcome == "ok", (k, rank, outcome)
     _good_after(per_rank)
@@ -59,16 +62,15 @@ def test_one_extra_transfer_fails_alone(tmp_path):
 # drawn), and the same draws on every run, so the suite's time is bounded.
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@example(calls=[("extra", 0), ("transfer", 1)])  # the left-behind rank refuses: the refusal is the next call's
-@example(calls=[("extra", 0), ("transfer", 0)])  # the extra rank refuses its next call: the other joins it
-@example(calls=[("extra", 0), ("save", 1)])  # the left-behind rank reaches the next transfer first
-# Random sequences of good and refused calls on random ranks; extra calls by one rank are the
-# explicit examples (extra calls by both ranks in turn are ambiguous by count: an extra call of
-# one rank may pair with the other's next real call).
-@given(st.lists(st.tuples(st.sampled_from(["transfer", "save", "async"]), st.integers(-1, 1)),
+@example(calls=[("late", 0), ("transfer", 1)])  # the late rank's next call is refused: the other learns it at once
+@example(calls=[("late", 0), ("transfer", 0)])  # the late rank refuses its next call
+@example(calls=[("late", 0), ("save", 1)])  # the late rank reaches the next save first
+@example(calls=[("alone", 1), ("save", -1), ("alone", 0), ("transfer", -1)])  # one-process calls shift nothing
+# Random sequences of good, refused and late calls and calls without collectives on random ranks.
+@given(st.lists(st.tuples(st.sampled_from(["transfer", "save", "async", "late", "alone"]), st.integers(-1, 1)),
                 min_size=1, max_size=5))
 def test_after_any_sequence_the_next_good_calls_succeed(tmp_path_factory, calls):
-    calls = [(op, 0 if op == "extra" and who < 0 else who) for op, who in calls]
+    calls = [(op, 0 if op in ("late", "alone") and who < 0 else who) for op, who in calls]
     per_rank = run_ranks(cases.run_sequence, 2, str(tmp_path_factory.mktemp("seq")), calls, timeout=300,
                          pg_timeout=120)
     _good_after(per_rank)

@@ -58,15 +58,14 @@ def load(
     process_group: Any = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from ``checkpoint_id`` (a directory or ``s3://`` URI) or an open
-    ``storage_reader``; call on every rank (the n-th calls of all ranks pair up). ``storage_reader`` and
-    ``planner`` also take torch DCP's (README, "Coming from torch.distributed.checkpoint"); default
-    ``planner``: the byte-level owner rule (README "How it plans"). ``broadcast_replicated_tensors``:
-    ``"auto"`` re-reads on one host and broadcasts across hosts and on object storage; ``True`` always,
-    ``False`` never. ``sources``: renames and ``Concat``/``Stack``/``Slice`` compositions. The README's "API"
-    table describes every argument. Every problem is found before any destination is written; a failure on any
-    rank raises ``LoadError`` on every rank within ``timeout``. ``process_group``: the torch.distributed group
-    to load within (default: the default group); ranks outside it do not call. Returns this rank's report."""
-    slot = next_load_slot(scope_of(process_group))  # every call counts: the n-th calls of all ranks pair up
+    ``storage_reader`` (torch DCP's too, docs/from-torch-dcp.md); call on every rank: the n-th collective
+    calls of all ranks pair up (``no_dist``/``use_collectives=False`` calls take no part). Default ``planner``:
+    the byte-level owner rule (docs/planning.md). ``broadcast_replicated_tensors``: ``"auto"`` re-reads on
+    one host and broadcasts across hosts and on object storage; ``True`` always, ``False`` never. ``sources``:
+    renames and ``Concat``/``Stack``/``Slice`` compositions; docs/loading.md describes every argument. Every
+    problem is found before any destination is written; a failure on any rank raises ``LoadError`` on every
+    rank within ``timeout``. ``process_group``: the group to load within (default: the default group)."""
+    slot = None if no_dist is True or use_collectives is False else next_load_slot(scope_of(process_group))
     try:
         checkpoint_id, storage_reader, planner, strict = load_arguments(checkpoint_id, storage_reader, planner, strict)
         coord, platform, leaves, errors, source_map, resolved = enter(
@@ -75,7 +74,8 @@ def load(
             broadcast_groups=broadcast_groups, broadcast_batch_bytes=broadcast_batch_bytes, platform=platform,
             timeout=timeout, process_group=process_group)
     except BaseException as exc:
-        skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}", process_group)
+        if slot is not None:
+            skip_slot(slot, f"raised before taking part: {type(exc).__name__}: {exc}", process_group)
         raise
     with coord:
         coord.arrive()

@@ -1,14 +1,15 @@
 """Failing together within bounded time: one ``Coordinator`` per ``load``.
 
 It wraps a ``dcp_platform.Watch`` named ``dcp-load/<n>`` (``dcp-save/<n>`` for ``save``).
-For ``load``, ``n`` counts every call of ``load`` this process made (``next_load_slot``),
-whatever its arguments: calls that raise on their arguments, ``no_dist=True`` and
-``use_collectives=False`` count too, so the n-th call of every rank shares one name even
-after a call that some ranks made without collectives. Such a call, on a process with a
-default process group, publishes why it takes no part (``skip_slot``): ranks that made the
-same call with collectives raise ``LoadError`` naming it at once instead of waiting for
-``timeout``. For ``save``, ``n`` counts the process's collective saves (a save on some ranks
-only, ``no_dist=True``, is a common way to write from rank 0 and must not shift it).
+``n`` counts this process's calls of the operation that take part with collectives
+(``next_slot``): a call without collectives (``no_dist=True``, ``use_collectives=False``,
+and so ``read_state_dict``, ``convert`` and the ``dcp`` command) takes no number, so calls
+that one rank makes alone never shift the others' pairing. A collective call counts even
+when it raises on its arguments: it publishes why it takes no part (``skip_slot``), and
+the ranks that made the same call raise ``LoadError`` naming it at once. A rank that comes
+to call ``n`` after the others gave up on it fails alone, and its next call is their next
+one. Each call records what it is (``_calls.py``), so that a call left waiting names what
+the missing rank calls now, and a late one what the others moved on to.
 Every wait of the load goes through the watch:
 
 * ``arrive()`` bounds the wait for the other ranks to enter ``load`` by ``timeout``;
@@ -33,16 +34,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from .._errors import LoadError
 from ..plan._digest import all_reduce
+from ._calls import note_call, others_moved_past, with_calls
 from ._validate import exchange
 
-__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "others_moved_on", "peek_slot",
+__all__ = ["DEFAULT_TIMEOUT", "WORLD", "Coordinator", "next_load_slot", "next_slot", "note_one_process_call", "peek_slot",
            "refused_together", "scope_of", "skip_slot", "timeout_seconds", "unusable_cause"]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 MIN_STALL_S = 30.0
 
 # Process-wide counts per process group (``Platform.group_key``: ``"world"`` for the
-# default group): every load call, every collective save, every transfer. Every rank counts
+# default group): every collective load, save and transfer. Every rank counts
 # its own calls; a module-level counter is what lets separate Platform objects (one per
 # call) agree, and one per group lets loads on a sub-group leave the world's count alone.
 _COUNTS: dict[tuple[str, str], int] = {}
@@ -69,12 +70,6 @@ _COUNTS_LOCK = threading.Lock()
 _UNUSABLE: dict[str, tuple[Any, str]] = {}
 
 WORLD = "world"
-
-#: How long a rank the others gave up on looks for them in the next call before it fails
-#: with them: the rank that made one call more may still be leaving an error of its own
-#: (a refusal's abort is read within a poll, well under a second, even on 2 busy cores).
-LEFT_BEHIND_GRACE_S = 5.0
-
 
 def next_slot(operation: str, scope: str = WORLD) -> int:
     """The number of this ``operation`` call (``load``, ``save``, ``transfer``) of this process
@@ -91,7 +86,7 @@ def peek_slot(operation: str, scope: str = WORLD) -> int:
 
 
 def next_load_slot(scope: str = WORLD) -> int:
-    """The number of this ``load`` call in this process (counted for every call)."""
+    """The number of this collective ``load`` call in this process."""
     return next_slot("load", scope)
 
 
@@ -172,9 +167,6 @@ def skip_slot(slot: int, cause: str, process_group: Any = None, operation: str =
         platform = _torch_platform(process_group)
         if platform is None:
             return
-        scope = scope_of(process_group)
-        while others_moved_on(platform, operation, slot, scope):
-            slot = next_slot(operation, scope)  # this call is the one they wait in (Coordinator.arrive)
         name = f"dcp-{operation}/{slot}"
         watch = Watch(platform, name)
         watch.abort({watch.rank: [f"{cause} ({operation} call {slot} of this process)"]})
@@ -186,22 +178,16 @@ def skip_slot(slot: int, cause: str, process_group: Any = None, operation: str =
         logger.warning("could not tell the other ranks that %s call %d is skipped here: %r", operation, slot, exc)
 
 
-def others_moved_on(platform: Any, operation: str, slot: int, scope: str) -> bool:
-    """Whether the other ranks gave up ``operation`` call ``slot`` without this rank
-    (``Watch.left_behind``) and some rank already made the next call (arrived in it, or
-    refused it): they made one call more than this rank, whose call is that next one."""
-    from dcp_platform import Watch
-
-    if not Watch(platform, f"dcp-{operation}/{slot}").left_behind():
-        return False
-    store, following = platform.store(), f"dcp-{operation}/{peek_slot(operation, scope)}"
-    end = time.monotonic() + LEFT_BEHIND_GRACE_S
-    while True:
-        if any(store.check([f"{following}/{key}"]) for key in ("arrived", "abort")):
-            return True
-        if time.monotonic() >= end:
-            return False
-        time.sleep(0.02)
+def note_one_process_call(process_group: Any, what: str) -> None:
+    """Record a call made without collectives by a rank of ``process_group`` (None: the
+    default group), when there is a group of more than one rank: it takes no call number,
+    so a rank waiting for it in a collective call can name it only from this record."""
+    try:
+        platform = _torch_platform(process_group)
+        if platform is not None:
+            note_call(platform.store(), scope_of(process_group), platform.rank(), what)
+    except Exception as exc:  # noqa: BLE001 - a call without collectives never fails on the store
+        logger.debug("could not record call %r: %r", what, exc)
 
 
 def refused_together(operation: str, slot: int | None, process_group: Any, step: Any) -> Any:
@@ -221,9 +207,9 @@ class Coordinator:
     ``operation="save"``: watch ``dcp-save/<n>``, phase ``"save"``) on one rank."""
 
     def __init__(self, platform: Any, *, collective: bool, timeout: float, operation: str = "load",
-                 slot: int | None = None):
+                 slot: int | None = None, target: str = ""):
         self.platform, self.timeout = platform, timeout
-        self.operation = operation
+        self.operation, self.target = operation, target  # target: the checkpoint, named in errors
         self.phase = "validate" if operation == "load" else operation
         self.watch: Any = None
         self._shared = False  # the error being raised is already known to every rank
@@ -280,12 +266,10 @@ class Coordinator:
 
     def arrive(self) -> None:
         """Wait (at most ``timeout``) until every rank entered ``load``; raise at once when
-        an earlier failure left the process group unusable (module docstring).
-
-        A rank the others gave up on (``Watch.left_behind``) raises their abort, unless some
-        rank already waits in the next call: then the others made one call more than this
-        rank (an extra call on one rank), and this call takes the next slot, so that the
-        counts agree again. A rank that merely came late fails with the others."""
+        an earlier failure left the process group unusable (module docstring). A rank that
+        comes after the others gave up on this call fails alone, naming the call they are in,
+        unless the call they gave up is one this rank made without collectives meanwhile and
+        the one they wait in now is this call (``_calls.others_moved_past``): it joins that."""
         from dcp_platform import PeerFailure
 
         if self.watch is None:
@@ -297,19 +281,29 @@ class Coordinator:
                 "create a new one (torch.distributed.destroy_process_group(), then "
                 f"init_process_group(...)) on every rank, or restart the job, before calling {self.operation} "
                 "again"]}, self.phase)
-        while True:
+        store, me, world = self.platform.store(), self.watch.rank, self.platform.world_size()
+        for attempt in (0, 1):
+            note_call(store, self.scope, me, self.describe(), self.slot)
             try:
                 self.watch.arrive(self.timeout)
                 return
-            except PeerFailure:
-                if not others_moved_on(self.platform, self.operation, self.slot, self.scope):
-                    raise
-            logger.info("rank %d: %s was given up by the other ranks before this rank arrived and they wait "
-                        "in the next call; this call takes that one", self.watch.rank, self.watch.name)
+            except PeerFailure as exc:
+                other = next(r for r in range(world) if r != me)
+                if attempt or not self.watch.left_behind() or not others_moved_past(
+                        store, self.scope, other, self.slot, self.describe()):
+                    raise PeerFailure(with_calls(exc.failures, me, self.describe(), store, self.scope, world)) from exc
+            # This rank made the others' call without collectives, and they now wait in this
+            # one: take its number (_calls.others_moved_past).
+            logger.info("rank %d: %s was given up by the other ranks for another call; they wait in the next, "
+                        "which is this one", me, self.watch.name)
             self.watch.close(success=False)
             self.slot = next_slot(self.operation, self.scope)
             self.watch = self._watch(self.slot)
             self.watch.__enter__()
+
+    def describe(self) -> str:
+        """This call as the other ranks' errors name it: operation, number and checkpoint."""
+        return f"{self.operation} call {self.slot}" + (f" of {self.target}" if self.target else "")
 
     @property
     def waiter(self) -> Any:

@@ -28,7 +28,8 @@ from ..plan._derived import checkpoint_digest, derived_plan, ensure_groups, sett
 from ..plan._digest import checkpoint_causes
 from ..plan._hosts import HOST_ID_ENV, host_id
 from ..plan._plan import BROADCASTABLE, VIEWS, Want, build_global_plan
-from ._coordinate import Coordinator, scope_of, skip_slot, timeout_seconds
+from ._calls import describe_target
+from ._coordinate import Coordinator, note_one_process_call, scope_of, skip_slot, timeout_seconds
 from ._execute import execute, fetched
 from ._progress import Progress
 from ._report import LoadReport
@@ -137,15 +138,16 @@ class Phases:
         self._mark += seconds
 
 
-def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
+def enter(slot: int | None, state_dict: Any, sources: Any, *, checkpoint_id: Any, storage_reader: Any, no_dist: bool,
            use_collectives: bool, broadcast_replicated_tensors: Any, broadcast_groups: Any,
            broadcast_batch_bytes: Any, platform: Any, timeout: Any,
            process_group: Any = None) -> tuple[Coordinator, Any, list[Any], list[str], Any, Resolved]:
     """Check the arguments, choose the platform and decide whether this call is collective:
     the call's ``Coordinator`` (not entered), the platform, the state dict's leaves, the
     problems to report through the first exchange, the parsed ``sources=`` and the state dict
-    with its Stateful objects resolved (``layouts/_stateful.py``). A call without collectives in a job with a
-    process group tells the ranks that make this call collectively (``skip_slot``)."""
+    with its Stateful objects resolved (``layouts/_stateful.py``). ``slot``: the call's number, None for a
+    call without collectives by its arguments (it takes none and only records itself); one that turns out
+    without collectives otherwise (rank-local metadata) tells the ranks that wait for it (``skip_slot``)."""
     check_arguments(checkpoint_id, storage_reader, broadcast_replicated_tensors, broadcast_groups,
                      broadcast_batch_bytes, no_dist, use_collectives)
     if timeout is not None:
@@ -176,13 +178,17 @@ def enter(slot: int, state_dict: Any, sources: Any, *, checkpoint_id: Any, stora
 
     rank_local = checkpoint_id is not None and is_rank_local(checkpoint_id)
     collective = not no_dist and use_collectives and platform.is_distributed() and not rank_local
+    target = describe_target(checkpoint_id, storage_reader)
     if not collective:
         why = ("no_dist=True" if no_dist else "use_collectives=False" if not use_collectives
                else "a checkpoint saved per rank (rank-local metadata)" if rank_local else "no process group")
-        skip_slot(slot, f"called load without collectives ({why}) while other ranks made this call with "
-                        "collectives; every rank must pass the same no_dist and use_collectives", process_group)
+        if slot is None:  # takes no call number: recorded for a rank that waits for this one to name it
+            note_one_process_call(process_group, f"load of {target} without collectives ({why})")
+        else:
+            skip_slot(slot, f"called load without collectives ({why}) while other ranks made this call with "
+                            "collectives; every rank must pass the same no_dist and use_collectives", process_group)
     coord = Coordinator(platform, collective=collective, timeout=timeout_seconds(timeout, platform=platform),
-                        slot=slot)
+                        slot=slot, target=target)
     return coord, platform, leaves, errors, source_map, resolved
 
 

@@ -129,7 +129,7 @@ def _snapshot(platform: Any, collective: bool, wait_s: float, leaves: list[Any],
     """The caller's part: checks, exchange, copies. Returns the future and its job."""
     with contextlib.ExitStack() as stack:
         coord = stack.enter_context(Coordinator(platform, collective=collective, timeout=wait_s, operation="save",
-                                                slot=slot))
+                                                slot=slot, target=path))
         coord.arrive()
         planned = _plan(coord, platform, collective, leaves, path, allow_pickle, no_dist, options)
         if planned.me == 0:

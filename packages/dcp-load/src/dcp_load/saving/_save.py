@@ -37,7 +37,14 @@ from ..layouts._stateful import resolve as resolve_statefuls
 from ..layouts._target_for import target_for
 from ..layouts._targets import in_mesh
 from ..plan._items import GreedyPlanner, ReadItem
-from ..run._coordinate import Coordinator, next_slot, refused_together, scope_of, timeout_seconds
+from ..run._coordinate import (
+    Coordinator,
+    next_slot,
+    note_one_process_call,
+    refused_together,
+    scope_of,
+    timeout_seconds,
+)
 from ..run._shared_open import local_storage
 from ..run._torch_args import NATIVE, WriterOptions, save_arguments, writer_options
 from ..run._validate import check_launch, exchange, summarise
@@ -169,7 +176,8 @@ def save(
                                                  "save"), no_dist, platform, timeout, process_group=process_group),
         writer_options(storage_writer, format, "save")))
     wait_for_previous("save", path)
-    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save", slot=slot) as coord:
+    with Coordinator(platform, collective=collective, timeout=wait_s, operation="save", slot=slot,
+                     target=path) as coord:
         coord.arrive()
         planned = plan_save(coord, platform, collective, leaves, path, allow_pickle, no_dist, options=options)
         try:
@@ -206,6 +214,8 @@ def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: boo
     platform = resolve_platform(platform, leaves, process_group)
     wait_s = timeout_seconds(timeout, what, platform)
     check_launch(platform, no_dist, what)
+    if no_dist:  # takes no call number: recorded for a rank that waits for this one to name it
+        note_one_process_call(process_group, f"{what} of {path} without collectives (no_dist=True)")
     return path, leaves, platform, wait_s, not no_dist and platform.is_distributed()
 
 
