@@ -174,7 +174,7 @@ def packages_alone(session: nox.Session, package: str) -> None:
     _check_wheel_metadata(session, me)
     readmes = [str(ROOT / "packages" / package / "README.md")]
     if package == "dcp-load":
-        readmes.append(str(ROOT / "README.md"))  # the resume flow: the user-facing example
+        readmes.append(str(ROOT / "README.md"))  # its Python blocks, where it has any
     runner = str(ROOT / "tests-integration" / "docs_blocks.py")  # standard library only
     if package == "dcp-reader":
         # Its base install holds numpy only: the package must import without torch.

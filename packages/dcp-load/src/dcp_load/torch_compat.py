@@ -12,8 +12,7 @@ Code written for torch DCP switches by changing one import::
 ``save``, ``async_save`` and ``load`` take torch DCP's arguments with torch's meaning
 (``storage_reader``/``storage_writer``, ``planner``, ``process_group``, ``no_dist``,
 ``use_collectives``, ``async_checkpointer_type``, ``async_stager``) and Stateful values, and
-run dcp's ``save``/``async_save``/``load`` (README, "Coming from
-torch.distributed.checkpoint"). ``state_dict_saver`` and ``state_dict_loader`` hold the
+run dcp's ``save``/``async_save``/``load`` (docs/from-torch-dcp.md). ``state_dict_saver`` and ``state_dict_loader`` hold the
 same functions under torch's module names. Every other name (``FileSystemReader``,
 ``DefaultLoadPlanner``, ``Metadata``, ``stateful``...) is torch DCP's own, looked up there on
 first use, so torch is imported only when this module is.

@@ -2,7 +2,7 @@
 
 A caller of torch DCP passes its storage readers and writers, its planners and its async
 options; ``load``, ``save`` and ``async_save`` accept them so that switching is a change of
-import (README, "Coming from torch.distributed.checkpoint"):
+import (docs/from-torch-dcp.md):
 
 * ``storage_reader``: torch's ``FileSystemReader``, ``HuggingFaceStorageReader`` and
   ``FsspecReader`` are served from the path they hold (dcp detects the format there);
@@ -167,7 +167,7 @@ def save_arguments(checkpoint_id: Any, storage_writer: Any, planner: Any, use_co
 
 
 # What dcp does instead of each torch FileSystemWriter option it accepts without a setting of
-# its own (README, "Coming from torch.distributed.checkpoint"): every file is synced before the
+# its own (docs/from-torch-dcp.md): every file is synced before the
 # metadata is written (the commit order needs it); each writing rank writes one file, in one
 # sequential stream; the staging pool of async_save is kept from save to save.
 _DONE_OTHERWISE = ("sync_files", "single_file_per_rank", "thread_count", "per_thread_copy_ahead",

@@ -92,7 +92,7 @@ def async_save(
     reused pool). The future also has torch's ``staging_completion`` (done at return) and
     ``upload_completion`` (itself). ``format``: as for ``save`` (``"torch_dcp"``: torch's files).
     """
-    del async_checkpointer_type, async_stager  # README "Coming from torch.distributed.checkpoint"
+    del async_checkpointer_type, async_stager  # docs/from-torch-dcp.md
     start = time.perf_counter()
     slot = save_slot(no_dist, process_group)
     path, leaves, platform, wait_s, collective, options = refused_together("save", slot, process_group, lambda: (

@@ -161,8 +161,8 @@ def save(
     process run in call order. ``process_group``: the torch.distributed group to save
     within (default: the default group); its rank 0 writes the metadata, ranks outside it
     do not call. A rank whose arguments are refused here tells the others at once.
-    ``storage_writer``, ``planner``, ``use_collectives``: torch DCP's, as README "Coming from
-    torch.distributed.checkpoint" says (the directory of torch's ``FileSystemWriter``...).
+    ``storage_writer``, ``planner``, ``use_collectives``: torch DCP's, as docs/from-torch-dcp.md
+    says (the directory of torch's ``FileSystemWriter``...).
 
     ``format``: ``"native"`` (dcp's: safetensors data files, JSON metadata) or
     ``"torch_dcp"`` (torch's ``.metadata`` and ``.distcp`` files, which torch DCP's ``load``,
