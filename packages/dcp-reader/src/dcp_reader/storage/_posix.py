@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
@@ -170,3 +171,17 @@ def atomic_write(final: str, chunks: Sequence[Any]) -> int:
         raise
     fsync_dir(os.path.dirname(final))
     return n
+
+
+def write_unsynced(final: str, data: bytes) -> None:
+    """Write ``data`` as the file ``final`` whole or not at all (tmp + rename), without
+    syncing: for a file only this save reads back and removes before its commit completes."""
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

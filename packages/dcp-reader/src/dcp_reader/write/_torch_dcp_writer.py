@@ -41,6 +41,7 @@ from ..formats._torch_dcp import METADATA_FILE
 from ..integrity._checksum import block_digests
 from ..integrity._value_sums import bytes_checksum
 from ..storage._names import METADATA_LIMIT
+from ..storage._posix import write_unsynced
 from ._writer import EncodedValues, NativeWriter
 
 __all__ = ["CHECKSUMS_FILE", "TorchDcpWriter", "torch_dcp_own_file"]
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 #: "values": {name: sum}}; torch's readers ignore the file.
 CHECKSUMS_FILE = "dcp-checksums.json"
 INDEX_SUFFIX = ".index.json"
+# torch.save writes each blob in ~40 pieces (zip headers and records, mostly under 100 bytes):
+# a piece up to this size is copied without asking whether it lies in the tensor's storage
+# (the numpy address lookup cost ~0.1 ms a piece: 1.3 s of a 288-tensor save under cProfile).
+_SMALL_WRITE = 4096
 _INDEX_LIMIT = 64 * 1024 * 1024
 # What this writer (and torch's FileSystemWriter: ``__<rank>_<n>.distcp``) names files at the
 # top of a checkpoint directory, temporary files of a killed save included: only such files
@@ -77,15 +82,16 @@ class _Collect:
         self._lo, self._hi = lo, hi
 
     def write(self, data: Any) -> int:
-        import numpy as np
-
         mv = memoryview(data).cast("B")
         n = mv.nbytes
-        if n:
+        if n > _SMALL_WRITE:
+            import numpy as np
+
             addr = np.frombuffer(mv, np.uint8).ctypes.data
-            inside = self._lo <= addr and addr + n <= self._hi
-            self.parts.append(mv if inside else bytes(mv))
-            self.nbytes += n
+            self.parts.append(mv if self._lo <= addr and addr + n <= self._hi else bytes(mv))
+        elif n:
+            self.parts.append(bytes(mv))
+        self.nbytes += n
         return n
 
     def flush(self) -> None:
@@ -168,10 +174,20 @@ class TorchDcpWriter(NativeWriter):
             pos += n
         n = self.storage.put(name, parts)
         del keep
-        self.storage.put(name + INDEX_SUFFIX, [json.dumps(index, separators=(",", ":")).encode()])
+        self._put_index(name + INDEX_SUFFIX, json.dumps(index, separators=(",", ":")).encode())
         logger.debug("wrote %s: %d chunks, %d bytes in %.3f s", self.storage.path(name), len(index), n,
                      time.perf_counter() - t0)
         return n
+
+    def _put_index(self, name: str, raw: bytes) -> None:
+        """An index file, read by ``commit`` and removed after it: it needs to be whole when
+        read (written to a temporary name, then renamed), not durable (a crash before the
+        commit leaves no checkpoint to need it), so on local storage it is not synced (two
+        fsyncs less per writing rank)."""
+        if self.storage.local:
+            write_unsynced(self.storage.path(name), raw)
+        else:
+            self.storage.put(name, [raw])
 
     def write_values(self, values: Mapping[str, Any] | EncodedValues, *,
                      file_name: str = "__values.distcp") -> dict[str, ValueMeta]:
