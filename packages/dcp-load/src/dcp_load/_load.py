@@ -65,7 +65,7 @@ def load(
     renames and ``Concat``/``Stack``/``Slice`` compositions; docs/loading.md describes every argument. Every
     problem is found before any destination is written; a failure on any rank raises ``LoadError`` on every
     rank within ``timeout``. ``process_group``: the group to load within (default: the default group)."""
-    slot = None if no_dist is True or use_collectives is False else next_load_slot(scope_of(process_group))
+    slot = None if no_dist or not use_collectives else next_load_slot(scope_of(process_group))
     try:
         checkpoint_id, storage_reader, planner, strict = load_arguments(checkpoint_id, storage_reader, planner, strict)
         coord, platform, leaves, errors, source_map, resolved = enter(

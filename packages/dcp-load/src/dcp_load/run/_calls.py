@@ -52,7 +52,7 @@ def _record(what: str, slot: int | None, scope: str) -> dict[str, Any]:
         _LAST[scope] = (slot, what[:_MAX_CHARS])
         _ALONE_BEFORE[scope] = _ALONE.pop(scope, [])
     else:
-        _ALONE.setdefault(scope, []).append(_unnumbered(what))
+        _ALONE.setdefault(scope, []).append(_unnumbered(what[:_MAX_CHARS]))
         del _ALONE[scope][:-_MAX_READS]
     return {"what": what[:_MAX_CHARS], "slot": slot, "before": list(before) if before else None}
 
@@ -115,6 +115,7 @@ def others_moved_past(store: Any, scope: str, other: int, slot: int, what: str) 
     doc = _read(store, scope, other)
     if isinstance(doc, str) or doc["slot"] != slot + 1 or not doc["before"] or doc["before"][0] != slot:
         return False
+    what = what[:_MAX_CHARS]  # as records keep it
     gave_up = _unnumbered(doc["before"][1])
     return (_same(doc["what"], what) and gave_up != _unnumbered(what)
             and gave_up in _ALONE_BEFORE.get(scope, []))

@@ -288,9 +288,9 @@ class Coordinator:
                 self.watch.arrive(self.timeout)
                 return
             except PeerFailure as exc:
-                other = next(r for r in range(world) if r != me)
-                if attempt or not self.watch.left_behind() or not others_moved_past(
-                        store, self.scope, other, self.slot, self.describe()):
+                others = [r for r in range(world) if r != me][:8]  # any one that gave up is enough
+                if attempt or not self.watch.left_behind() or not any(others_moved_past(
+                        store, self.scope, r, self.slot, self.describe()) for r in others):
                     raise PeerFailure(with_calls(exc.failures, me, self.describe(), store, self.scope, world)) from exc
             # This rank made the others' call without collectives, and they now wait in this
             # one: take its number (_calls.others_moved_past).

@@ -215,7 +215,7 @@ def resolve_save(state_dict: Mapping[Any, Any], checkpoint_id: Any, no_dist: boo
     wait_s = timeout_seconds(timeout, what, platform)
     check_launch(platform, no_dist, what)
     if no_dist:  # takes no call number: recorded for a rank that waits for this one to name it
-        note_one_process_call(process_group, f"{what} of {path} without collectives (no_dist=True)")
+        note_one_process_call(process_group, f"save of {path} without collectives (no_dist=True)")
     return path, leaves, platform, wait_s, not no_dist and platform.is_distributed()
 
 
