@@ -110,6 +110,17 @@ def pairing_cases(rank: int, world: int, ck: dict[str, str]) -> dict[str, Any]:
     res["all_no_dist"]["keys_left"] = [k for k in (f"dcp-load/{slot}/abort", f"dcp-load/{slot}/skipped")
                                        if c10d._get_default_store().check([k])]
     res["after_all_no_dist"] = _case(ck["b"], "b")
+    # A late rank that reads a foreign value (here a pickle) under the key naming the missing
+    # ranks: its error stays a LoadError, naming the key.
+    slot = _coordinate.peek_slot("load")
+    if rank == 1:
+        time.sleep(SHORT_S + 3)
+    res["late_foreign"] = _case(ck["b"], "b", timeout=SHORT_S)
+    if rank == 0:
+        import pickle
+
+        c10d._get_default_store().set(f"dcp-load/{slot}/missing", pickle.dumps({"missing": [1]}))
+    res["after_late_foreign"] = _case(ck["a"], "a")
     return res
 
 

@@ -94,6 +94,16 @@ def test_a_call_without_collectives_where_the_other_calls_with_them(pairing):
         _ok(r["after_no_collectives"])
 
 
+def test_a_foreign_value_naming_the_missing_ranks_is_a_load_error(pairing):
+    late = pairing[1]["late_foreign"]
+    _raised(late, rank=1)
+    assert late["error"]["type"] == "LoadError", late
+    assert "dcp-load/" in late["error"]["message"] and "/missing'" in late["error"]["message"], late
+    assert "a pickle, not read" in late["error"]["message"], late
+    for r in pairing:
+        _ok(r["after_late_foreign"])
+
+
 def test_a_late_rank_fails_alone_and_its_next_call_pairs(pairing):
     _raised(pairing[0]["late"], words="did not reach dcp-load", rank=1, fast=False)
     late = pairing[1]["late"]

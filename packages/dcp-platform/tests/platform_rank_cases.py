@@ -369,3 +369,43 @@ def fail_on_odd_ranks_after_init(rank: int, world: int) -> int:
     p = get_platform("mindspore")
     p.broadcast(ms.Tensor(np.zeros(4, np.int32)), 1)
     return rank
+
+
+class _RunsCode:
+    """Unpickling this would create the file ``path``: a gather that unpickled is caught."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def gather_refusal_cases(rank: int, world: int, marker: str) -> list[str]:
+    """``all_gather_object`` between real ranks: a value rank 1 cannot encode, and a pickle
+    sent in place of the codec's bytes (as a foreign peer would), each raise the same typed
+    error naming rank 1 on every rank, run no code, and the next gather works."""
+    import pickle
+
+    from dcp_platform import codec, get_platform
+
+    p = get_platform("torch")
+    errors: list[str] = []
+    _raises(errors, codec.UnsendableValueError, "unencodable value",
+            lambda: p.all_gather_object(object() if rank == 1 else "fine"),
+            match="rank 1 could not send its value: a builtins.object")
+    real = codec.pack_or_refusal
+    if rank == 1:
+        codec.pack_or_refusal = lambda obj: pickle.dumps(_RunsCode(marker))
+    try:
+        _raises(errors, codec.ValueMessageError, "a pickle from rank 1",
+                lambda: p.all_gather_object(("plain", rank)), match="from rank 1 is not one dcp sent")
+    finally:
+        codec.pack_or_refusal = real
+    import os
+
+    _expect(errors, not os.path.exists(marker), "a pickle received from a peer ran code")
+    gathered = p.all_gather_object({"after": (rank, [True, None, 2.5, b"x"])})
+    _expect(errors, gathered == [{"after": (r, [True, None, 2.5, b"x"])} for r in range(world)],
+            f"the gather after the refusals gave {gathered!r}")
+    return errors

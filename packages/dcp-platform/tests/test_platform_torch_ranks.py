@@ -27,6 +27,14 @@ def test_torch_conformance_on_gloo_ranks(world):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_refuses_what_is_not_plain_data_on_every_rank(world, tmp_path):
+    marker = str(tmp_path / "code-ran")
+    per_rank = run_ranks(cases.gather_refusal_cases, world, marker, timeout=120, pg_timeout=60)
+    problems = [f"rank {r}: {e}" for r, errors in enumerate(per_rank) for e in errors]
+    assert not problems, "\n".join(problems)
+
+
 def test_run_ranks_reports_each_failing_rank():
     with pytest.raises(RanksFailed) as info:
         run_ranks(cases.fail_on_odd_ranks, 2, timeout=60)

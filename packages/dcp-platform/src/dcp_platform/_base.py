@@ -87,7 +87,12 @@ class Platform(abc.ABC):
 
     @abc.abstractmethod
     def all_gather_object(self, obj: Any, *, waiter: Any = None) -> list[Any]:
-        """Collective: every rank contributes a small picklable object, all receive the list.
+        """Collective: every rank contributes a small plain-data object, all receive the list.
+
+        Plain data is what ``dcp_platform.codec.pack`` carries (None, bool, int, float, str,
+        bytes, list, tuple, dict), never pickle: bytes that are not the codec's raise
+        ``codec.ValueMessageError`` and a value a rank cannot encode
+        ``codec.UnsendableValueError``, each naming the rank, on every rank alike.
 
         ``waiter(handle)``: called to wait on each collective the all-gather issues (it
         must return once the handle completed, or raise). Control traffic: it travels over

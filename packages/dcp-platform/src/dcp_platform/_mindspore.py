@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from mindspore import Tensor, mint
 from mindspore.communication import GlobalComm
 from mindspore.mint import distributed as msdist
 
+from . import codec
 from ._base import Capabilities, Handle, Platform
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class MindSporePlatform(Platform):
         # Synchronous (one completed broadcast at a time): ``waiter`` is never needed.
         if not self.is_distributed():
             return [obj]
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = codec.pack_or_refusal(obj)  # plain data, never pickle (dcp_platform.codec)
         world, me = self.world_size(), self.rank()
         # Every rank sends its byte length in turn, then its payload in turn: broadcast on
         # the world group is the one collective that works on every MindSpore target.
@@ -160,6 +160,7 @@ class MindSporePlatform(Platform):
             msdist.broadcast(Tensor.from_numpy(box), r, group=self.world_group())
             _drain()
             sizes.append(int(box[0]))
+        codec.check_lengths(sizes)
         words = []
         for r, size in enumerate(sizes):
             buf = np.zeros(math.ceil(size / 4), dtype=np.int32)
@@ -169,8 +170,8 @@ class MindSporePlatform(Platform):
             if buf.size:
                 msdist.broadcast(Tensor.from_numpy(buf), r, group=self.world_group())
                 _drain()
-        # Objects come from the ranks of this job, as with torch.distributed.all_gather_object.
-        return [pickle.loads(buf.view(np.uint8)[:size].tobytes()) for buf, size in zip(words, sizes, strict=True)]
+        return codec.unpack_gathered([buf.view(np.uint8)[:size].tobytes() for buf, size in zip(words, sizes,
+                                                                                             strict=True)])
 
     # -- groups ------------------------------------------------------------------------
     def world_group(self) -> str:

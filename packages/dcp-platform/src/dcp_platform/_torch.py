@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import codec
 from ._base import Capabilities, Handle, Platform
 from ._group import GroupView
 
@@ -220,28 +220,27 @@ class TorchPlatform(Platform):
         return dist.all_gather(outs, tensor, group=self._control_group(), async_op=True)
 
     def all_gather_object(self, obj: Any, *, waiter: Callable[[Any], Any] | None = None) -> list[Any]:
+        """Every rank's ``obj`` (plain data: ``dcp_platform.codec.pack``), in rank order.
+
+        Two asynchronous all-gathers (lengths, then padded payloads), each waited on by
+        ``waiter`` (default: without a bound), so that a caller can bound the wait and abort
+        it. Nothing is unpickled: a payload that is not the codec's raises
+        ``ValueMessageError`` naming its rank, and a value a rank could not encode raises
+        ``UnsendableValueError`` naming that rank, on every rank alike."""
         if self._view is None and not (dist.is_available() and dist.is_initialized()):
             return [obj]
-        if waiter is None:
-            if self._view is None:
-                out: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(out, obj, group=self._control_group())
-                return out
-            waiter = _wait  # the group's own handles, waited on without a bound
-        # Two asynchronous all-gathers (lengths, then padded payloads), each waited on by
-        # ``waiter``, so that a caller can bound the wait and abort it.
+        waiter = waiter or _wait
         world = self.world_size()
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                                   dtype=torch.uint8)
+        payload = torch.frombuffer(bytearray(codec.pack_or_refusal(obj)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         waiter(self._all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64)))
-        longest = max(int(s[0]) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        lengths = [int(s[0]) for s in sizes]
+        codec.check_lengths(lengths)
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
         padded[:payload.numel()] = payload
-        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        outs = [torch.empty(max(lengths), dtype=torch.uint8) for _ in range(world)]
         waiter(self._all_gather(outs, padded))
-        # Objects come from the ranks of this job, as with torch.distributed.all_gather_object.
-        return [pickle.loads(o[:int(s[0])].numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
+        return codec.unpack_gathered([o.numpy()[:n].tobytes() for o, n in zip(outs, lengths, strict=True)])
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Handle:
         """Start an element-wise ``"sum"`` or ``"max"`` of the host (int64) ``tensor`` over

@@ -289,7 +289,7 @@ class Coordinator:
                 return
             except PeerFailure as exc:
                 others = [r for r in range(world) if r != me][:8]  # any one that gave up is enough
-                if attempt or not self.watch.left_behind() or not any(others_moved_past(
+                if attempt or not self._left_behind(exc) or not any(others_moved_past(
                         store, self.scope, r, self.slot, self.describe()) for r in others):
                     raise PeerFailure(with_calls(exc.failures, me, self.describe(), store, self.scope, world)) from exc
             # This rank made the others' call without collectives, and they now wait in this
@@ -300,6 +300,17 @@ class Coordinator:
             self.slot = next_slot(self.operation, self.scope)
             self.watch = self._watch(self.slot)
             self.watch.__enter__()
+
+    def _left_behind(self, exc: Any) -> bool:
+        """``Watch.left_behind``; a foreign value under its key is one more cause of ``exc``
+        (a ``PeerFailure``, raised with it: the caller's error stays a ``LoadError``)."""
+        from dcp_platform import ControlMessageError, PeerFailure
+
+        try:
+            return self.watch.left_behind()
+        except ControlMessageError as bad:
+            causes = {**exc.failures, self.watch.rank: (*exc.failures.get(self.watch.rank, ()), str(bad))}
+            raise PeerFailure(causes) from exc
 
     def describe(self) -> str:
         """This call as the other ranks' errors name it: operation, number and checkpoint."""
