@@ -50,8 +50,10 @@ def _save(root: str, step: int, bad: bool, kind: str) -> Any:
 
 
 def _alone(root: str, step: int) -> None:
-    """A save, a read and a load without collectives, as a rank inspecting a checkpoint makes."""
+    """A save, an async_save, a read and a load without collectives, as a rank inspecting or
+    copying a checkpoint makes."""
     path = os.path.join(root, f"alone-{dist.get_rank()}")
+    dcp_load.async_save({"w": torch.full((8,), -2.0)}, checkpoint_id=path + "-async", no_dist=True).result(timeout=60)
     dcp_load.save({"w": torch.full((8,), float(step))}, checkpoint_id=path, no_dist=True)
     assert torch.equal(dcp_load.read_state_dict(path)["w"], torch.full((8,), float(step)))
     back = {"w": torch.full((8,), -1.0)}

@@ -58,6 +58,21 @@ def test_a_late_rank_fails_alone_and_the_next_calls_pair(tmp_path):
     _good_after(per_rank)
 
 
+def test_two_ranks_alone_then_collective_calls_on_long_paths(tmp_path):
+    """3 ranks; ranks 1 and 2 each save (sync and async), read and load without collectives,
+    then every rank saves, async-saves and transfers together, in a folder whose path is
+    longer than a call record keeps (300 characters)."""
+    root = tmp_path / ("d" * 120) / ("e" * 120) / ("f" * 100)
+    root.mkdir(parents=True)
+    calls = [("alone", 1), ("alone", 2), ("save", -1), ("async", -1), ("alone", 2), ("transfer", -1)]
+    per_rank = run_ranks(cases.run_sequence, 3, str(root), calls, timeout=300, pg_timeout=120)
+    for rank, r in enumerate(per_rank):
+        for k, (op, who) in enumerate(calls):
+            want = ("ok" if rank == who else "not called") if op == "alone" else "ok"
+            assert r["outcomes"][k][0] == want, (rank, k, r["outcomes"][k])
+    _good_after(per_rank)
+
+
 # No shrinking (each example is a multi-rank launch: a failure reports the sequence as
 # drawn), and the same draws on every run, so the suite's time is bounded.
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
