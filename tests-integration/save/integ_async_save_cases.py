@@ -48,6 +48,12 @@ def state(gen: int) -> dict[str, Any]:
 
 def holds(path: str, gen: int) -> bool:
     """Whether ``path`` loads (on every rank, into poisoned targets) as exactly save ``gen``."""
+    return gen in held(path, (gen,))
+
+
+def held(path: str, gens: tuple[int, ...]) -> list[int]:
+    """The saves among ``gens`` that one load of ``path`` (on every rank, into poisoned
+    targets) equals exactly: one, or none for a torn or other checkpoint."""
     import dcp_load
     import torch
 
@@ -57,9 +63,13 @@ def holds(path: str, gen: int) -> bool:
     dst["bias"].fill_(float("nan"))
     dst.update(step=None, sched={"lr": None})
     dcp_load.load(dst, checkpoint_id=path)
-    want = state(gen)
-    return (all(torch.equal(dst[n].to_local(), want[n].to_local()) for n in NAMES)
-            and torch.equal(dst["bias"], want["bias"]) and dst["step"] == gen and dst["sched"] == want["sched"])
+    out = []
+    for gen in gens:
+        want = state(gen)
+        if (all(torch.equal(dst[n].to_local(), want[n].to_local()) for n in NAMES)
+                and torch.equal(dst["bias"], want["bias"]) and dst["step"] == gen and dst["sched"] == want["sched"]):
+            out.append(gen)
+    return out
 
 
 def _change_everything(sd: dict[str, Any]) -> None:
@@ -134,7 +144,7 @@ def load_while_writing(rank: int, world: int, root: str) -> dict[str, Any]:
     undo = _slow_writes(rank, 0.5)
     try:
         fut = dcp_load.async_save(state(2), checkpoint_id=path)
-        during = [g for g in (1, 2) if holds(path, g)]
+        during = held(path, (1, 2))  # one load: two could straddle the commit
         fut.result(timeout=60)
     finally:
         undo()
