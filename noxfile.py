@@ -48,7 +48,8 @@ FIND_LINKS = [f"--find-links={link}" for link in _find_links()]
 TORCH = [*FIND_LINKS, *_torch_requirements(_find_links())]
 MINDSPORE = ["mindspore==2.10.0", "numpy<2"]  # MindSpore 2.10 fails to import with numpy 2
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "safetensors>=0.4.3", "matplotlib>=3.8",  # matplotlib: dcp plan --png
-             "moto[server]>=5", "obstore>=0.6"]  # the S3 tests: a loopback S3 server, the object client
+             "moto[server]>=5", "obstore>=0.6",  # the S3 tests: a loopback S3 server, the object client
+             "zstandard>=0.19"]  # torch's ZStandard extension (dcp-reader[zstd]), read and written
 
 nox.options.default_venv_backend = "uv"
 nox.options.reuse_venv = "yes"

@@ -21,6 +21,14 @@ FORMATS = ("native", "hf", "torch-dcp-hf", "torch-dcp",
            "hyper-parallel")  # _hyper.FORMAT
 
 
+def _str_tuple(value: Any, what: str, *, key: str | None) -> tuple[str, ...]:
+    """``value`` (transform descriptors) as a tuple of str; MetadataError otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or not all(
+            isinstance(v, str) for v in value):
+        raise MetadataError(f"{what}: transforms must be a sequence of str, got {short_repr(value)}", key=key)
+    return tuple(value)
+
+
 def _int_tuple(value: Any, what: str, *, key: str | None) -> tuple[int, ...]:
     try:
         out = tuple(value)
@@ -39,6 +47,9 @@ class ChunkMeta:
 
     ``storage``: (byte offset, length) inside the file where the format needs it (torch DCP
     ``.distcp``); ``checksum``: optional, e.g. "crc32:1a2b3c4d" (not yet written or checked).
+    ``transforms``: torch DCP's transform descriptors of the stored bytes (``"stream.zstd/1"``:
+    zstd-compressed, torch's ``ZStandard`` extension); ``storage`` and ``checksum`` are then
+    those of the bytes as stored.
     """
 
     offsets: tuple[int, ...]
@@ -47,6 +58,7 @@ class ChunkMeta:
     key: str
     checksum: str | None = None
     storage: tuple[int, int] | None = None
+    transforms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         offsets = _int_tuple(self.offsets, "ChunkMeta.offsets", key=self.key)
@@ -64,6 +76,7 @@ class ChunkMeta:
                                 f"{short_repr(self.checksum)}", key=self.key)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "transforms", _str_tuple(self.transforms, f"chunk {self.key!r}", key=self.key))
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ChunkMeta.storage", key=self.key)
             if len(storage) != 2:
@@ -123,7 +136,8 @@ class ValueMeta:
     """A non-tensor entry: inline JSON ``value``, or (pickled, opt-in) stored in ``file``
     under ``key``. ``storage``: (byte offset, length) inside ``file`` (torch DCP).
     ``checksum``: optional, ``"xxh3-64:<hex>"`` of the value's canonical JSON, or of the
-    bytes of ``file`` (native format; see ``_value_sums``)."""
+    bytes of ``file`` (native format; see ``_value_sums``). ``transforms``: as for a chunk
+    (``ChunkMeta``): the stored bytes' torch DCP transform descriptors."""
 
     name: str
     value: Any = None
@@ -131,6 +145,7 @@ class ValueMeta:
     key: str | None = None
     storage: tuple[int, int] | None = None
     checksum: str | None = None
+    transforms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -152,6 +167,7 @@ class ValueMeta:
         if self.checksum is not None and not isinstance(self.checksum, str):
             raise MetadataError(f"value {self.name!r}: checksum must be a str or None, got {short_repr(self.checksum)}",
                                 key=self.name)
+        object.__setattr__(self, "transforms", _str_tuple(self.transforms, f"value {self.name!r}", key=self.name))
         if self.storage is not None:
             storage = _int_tuple(self.storage, "ValueMeta.storage", key=self.name)
             if len(storage) != 2:
@@ -220,6 +236,8 @@ class CheckpointMetadata:
                     d["checksum"] = c.checksum
                 if c.storage is not None:
                     d["storage"] = list(c.storage)
+                if c.transforms:
+                    d["transforms"] = list(c.transforms)
                 chunks.append(d)
             tensors[name] = {"shape": list(t.shape), "dtype": t.dtype, "chunks": chunks}
         values = {}
@@ -227,6 +245,8 @@ class CheckpointMetadata:
             d = {"value": encode_value(v.value)} if v.file is None else {"file": v.file, "key": v.key}
             if v.storage is not None:
                 d["storage"] = list(v.storage)
+            if v.transforms:
+                d["transforms"] = list(v.transforms)
             values[name] = d
         doc = {"schema_version": self.schema_version, "format": self.format, "tensors": tensors, "values": values}
         # apart from the values: a corrupted value entry must not take its checksum with it
@@ -255,7 +275,8 @@ class CheckpointMetadata:
             for name, t in _obj(doc, "tensors").items():
                 chunks = tuple(
                     ChunkMeta(offsets=c["offsets"], sizes=c["sizes"], file=c["file"], key=c["key"],
-                              checksum=c.get("checksum"), storage=c.get("storage"))
+                              checksum=c.get("checksum"), storage=c.get("storage"),
+                              transforms=c.get("transforms", ()))
                     for c in t["chunks"])
                 tensors[name] = TensorMeta(name=name, shape=t["shape"], dtype=t["dtype"], chunks=chunks)
             values = {}
@@ -266,7 +287,8 @@ class CheckpointMetadata:
                                         f"{short_repr(sorted(v))}); the metadata file is corrupt: re-copy or "
                                         "re-save the checkpoint", key=name)
                 values[name] = ValueMeta(name=name, value=decode_value(v.get("value")), file=v.get("file"),
-                                         key=v.get("key"), storage=v.get("storage"), checksum=value_sums.get(name))
+                                         key=v.get("key"), storage=v.get("storage"), checksum=value_sums.get(name),
+                                         transforms=v.get("transforms", ()))
         except RecursionError:
             raise MetadataError("a value in the metadata is nested too deeply; the file is corrupt") from None
         except MetadataError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from .formats._torch_dcp import load_blob, load_torch_dcp
 from .formats._torch_save_box import BlobLayouts, _span, read_box, read_box_into
 from .formats._torch_save_zip import BlobTensor
 from .formats._unpickle import memo_problem
+from .formats._zstd_items import BLOB_SLACK, VALUE_LIMIT, Inflated, InflatedItems, inflate, read_stored
 from .integrity._checksum import BlockSums, read_verified
 from .integrity._dcp_blocks import check_loaded, chunk_key, inside, read_box_verified
 from .integrity._hash_worker import HashWorker
@@ -94,6 +96,7 @@ class CheckpointReader:
         self._claims = HeadClaims()  # heads counted in bytes_fetched (shared with siblings)
         self._blob: tuple[str, tuple[int, int], Any] | None = None  # last torch-dcp chunk decoded
         self._layouts = BlobLayouts()  # torch-dcp: where each blob's tensor lies
+        self._inflated = InflatedItems()  # torch-dcp: items stored compressed, inflated (formats._zstd_items)
         # file -> (its unpickled values, the value checksums its bytes were verified against)
         self._pickles: dict[str, tuple[Any, set[str | None]]] = {}
         # hashes blocks while the next ones are read; its thread starts with the first
@@ -162,9 +165,13 @@ class CheckpointReader:
         self._blob = None
         self._pickles.clear()
         self._layouts.clear()
+        self._inflated.clear()
         self._hasher.close()
 
     def _open(self, name: str, key: str | None) -> Any:
+        inflated = self._inflated.named(name)
+        if inflated is not None:
+            return inflated
         f = self._files.get(name)
         if f is not None:
             self._files.move_to_end(name)
@@ -303,6 +310,7 @@ class CheckpointReader:
             f, sums = self._safetensors(name, t.dtype, chunk, verify)
             lo, hi, box, sums = f.covering(chunk.key, sl, t.itemsize, sums)
             return f, lo, hi, box.lo - lo, box.strides, sums, 0
+        chunk = self._plain(name, t.dtype, chunk, verify)
         f, layout = self._dcp_layout(t.dtype, name, chunk)
         if layout is None:
             return None
@@ -370,24 +378,53 @@ class CheckpointReader:
         as reading it would, and kept for the next read."""
         t, _ = self._box(name, chunk, chunk.offsets, chunk.sizes)
         if self.format == "torch-dcp":
+            chunk = self._plain(name, t.dtype, chunk, True)
             f, layout = self._dcp_layout(t.dtype, name, chunk)
             if layout is None:
                 self._read_dcp_whole(f, t.dtype, name, chunk, tuple(slice(0, 0) for _ in chunk.sizes), "torch")
         else:
             self._safetensors(name, t.dtype, chunk)
 
-    def _dcp_layout(self, dtype: str, name: str, chunk: ChunkMeta) -> tuple[_RawFile, BlobTensor | None]:
-        """The open file of a torch-dcp chunk, its blob checked to lie inside the file, and
-        where the blob's tensor lies (parsed once per blob; None: load the blob whole)."""
-        if chunk.storage is None:
-            raise MetadataError(f"chunk of {name!r} in {chunk.file!r} has no storage (offset, length)",
-                                path=self.path, key=name)
-        f = self._open(chunk.file, name)
-        off, length = chunk.storage
+    def _stored_file(self, name: str, file: str, storage: tuple[int, int] | None) -> Any:
+        """The open file of a torch-dcp item stored at ``storage``, checked to lie inside it."""
+        if storage is None:
+            raise MetadataError(f"{name!r} in {file!r} has no storage (offset, length)", path=self.path, key=name)
+        f = self._open(file, name)
+        off, length = storage
         if off < 0 or length < 0 or off + length > f.size:
             raise TruncatedFileError(f"{name!r} is stored at bytes [{off}, {off + length}) but the file "
                                      f"has {f.size} bytes; the file is truncated: re-copy it",
                                      path=f.path, key=name)
+        return f
+
+    def _plain(self, name: str, dtype: str, chunk: ChunkMeta, verify: bool) -> ChunkMeta:
+        """``chunk``; or, stored compressed (``chunk.transforms``: torch's ZStandard), the same
+        chunk in its inflated copy (``formats._zstd_items``), which this reader keeps for the
+        next boxes: its stored bytes are read once, checked against their block checksums
+        (``verify``, as for reads), and inflated up to the chunk's bytes plus a blob's zip."""
+        if not chunk.transforms:
+            return chunk
+        where = (chunk.file, chunk.storage)
+        check = verify and self.verify_checksums and chunk.checksum is not None
+        item = self._inflated.get(where)
+        if item is None or (check and not item.verified):
+            f = self._stored_file(name, chunk.file, chunk.storage)
+            key = chunk_key(name, chunk.offsets)
+            sums = BlockSums.parse(chunk.checksum, chunk.storage[1], path=f.path, key=key) if check else None
+            raw = read_stored(_handle(f), chunk.storage, path=f.path, file=chunk.file, key=key, name=name, sums=sums,
+                              worker=self._hasher)
+            nbytes = chunk.numel * itemsize(dtype)
+            item = inflate(raw, limit=nbytes + BLOB_SLACK, what=f"a torch.save blob of its {nbytes}-byte {dtype} "
+                           f"chunk {list(chunk.sizes)} (the metadata's)", path=f.path, file=chunk.file, key=name,
+                           storage=chunk.storage, name=f"{chunk.file}\0{chunk.storage[0]}", verified=check)
+            self._inflated.put(where, item)
+            self._overread += chunk.storage[1]
+        return dataclasses.replace(chunk, file=item.name, storage=(0, item.size), transforms=(), checksum=None)
+
+    def _dcp_layout(self, dtype: str, name: str, chunk: ChunkMeta) -> tuple[_RawFile, BlobTensor | None]:
+        """The open file of a torch-dcp chunk, its blob checked to lie inside the file, and
+        where the blob's tensor lies (parsed once per blob; None: load the blob whole)."""
+        f = self._stored_file(name, chunk.file, chunk.storage)
         layout, spent = self._layouts.get(f.fd, chunk.file, chunk.storage, path=f.path, key=name)
         self._bytes_read += spent
         if layout is not None and (layout.shape != chunk.sizes or layout.dtype != dtype):
@@ -412,6 +449,7 @@ class CheckpointReader:
                        verify: bool = True) -> bool:
         """A box contiguous in a narrowable blob, read straight into ``raw``; False when not
         (also when checksums still to be verified need more bytes than the box)."""
+        chunk = self._plain(name, dtype, chunk, verify)
         f, layout = self._dcp_layout(dtype, name, chunk)
         if layout is None:
             return False
@@ -436,6 +474,7 @@ class CheckpointReader:
 
     def _read_dcp(self, dtype: str, name: str, chunk: ChunkMeta, sl: tuple[slice, ...], framework: str,
                   verify: bool = True) -> Any:
+        chunk = self._plain(name, dtype, chunk, verify)
         f, layout = self._dcp_layout(dtype, name, chunk)
         sums = self._dcp_sums(f, dtype, name, chunk, verify)
         if layout is None:
@@ -499,7 +538,8 @@ class CheckpointReader:
                 check_value(name, v.value, v.checksum, path=self.path)
             return copy.deepcopy(v.value)
         if self.format == "torch-dcp":
-            return self._read_dcp_value(name, v.file, v.storage, v.checksum if self.verify_checksums else None)
+            return self._read_dcp_value(name, v.file, v.storage, v.checksum if self.verify_checksums else None,
+                                        v.transforms)
         if not self.allow_pickle:
             raise UnsafePickleError(f"value {name!r} is pickled in {v.file!r}; loading it could run code "
                                     "from the checkpoint. Pass allow_pickle=True only if you trust it",
@@ -537,16 +577,25 @@ class CheckpointReader:
             close_fd(fd)
         return _trusted_pickle(raw, path, name)
 
-    def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None, checksum: str | None) -> Any:
+    def _read_dcp_value(self, name: str, file: str, storage: tuple[int, int] | None, checksum: str | None,
+                        transforms: tuple[str, ...] = ()) -> Any:
         """A torch-dcp value: its blob checked against ``checksum`` when given (ChecksumError),
         then loaded with torch.load(weights_only=True), or with weights_only=False where the
-        caller opted in (``allow_pickle``)."""
-        if storage is None:
-            raise MetadataError(f"value {name!r} has no storage (offset, length)", path=self.path, key=name)
-        f = self._open(file, name)
-        if storage[0] + storage[1] > f.size:
-            raise TruncatedFileError(f"{name!r} is stored at bytes [{storage[0]}, {sum(storage)}) but the "
-                                     f"file has {f.size} bytes; re-copy it", path=f.path, key=name)
+        caller opted in (``allow_pickle``). One stored compressed (``transforms``) is checked
+        as stored, then inflated (at most ``VALUE_LIMIT`` bytes) and loaded the same way."""
+        f = self._stored_file(name, file, storage)
+        assert storage is not None
+        if not transforms:
+            return self._load_value(f, name, storage, checksum)
+        raw = read_stored(_handle(f), storage, path=f.path, file=file, key=name, name=name, value_sum=checksum)
+        item = inflate(raw, limit=VALUE_LIMIT, what=f"the {VALUE_LIMIT} bytes a value's blob may hold",
+                       path=f.path, file=file, key=name, storage=storage, name=file, verified=checksum is not None)
+        try:
+            return self._load_value(item, name, (0, item.size), None)
+        finally:
+            item.close()
+
+    def _load_value(self, f: _RawFile | Inflated, name: str, storage: tuple[int, int], checksum: str | None) -> Any:
         try:
             return load_blob(f.fd, storage, path=f.path, key=name, weights_only=True, checksum=checksum)
         except pickle.UnpicklingError as e:
@@ -563,7 +612,7 @@ class CheckpointReader:
         return self._blob_of(f, name, storage, weights_only=False, checksum=checksum)  # opted in by the caller
 
     @staticmethod
-    def _blob_of(f: _RawFile, name: str, storage: tuple[int, int], *, weights_only: bool,
+    def _blob_of(f: _RawFile | Inflated, name: str, storage: tuple[int, int], *, weights_only: bool,
                  checksum: str | None = None) -> Any:
         try:
             return load_blob(f.fd, storage, path=f.path, key=name, weights_only=weights_only, checksum=checksum)

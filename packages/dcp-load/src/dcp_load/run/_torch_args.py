@@ -11,7 +11,8 @@ import (docs/from-torch-dcp.md):
   naming it.
 * ``storage_writer``: torch's ``FileSystemWriter`` and ``FsspecWriter``: dcp writes into
   their path (the format ``format=`` names; ``torch_compat`` asks for torch's); their options
-  are honoured or refused by name (``writer_options``); others (``HuggingFaceStorageWriter``:
+  are honoured or refused by name (``writer_options``: ``_extensions=[ZStandard()]`` writes
+  torch's format zstd-compressed, as torch does); others (``HuggingFaceStorageWriter``:
   Hugging Face files) are refused, naming the class and what to do instead.
 * ``planner``: torch's ``DefaultLoadPlanner`` (``allow_partial_load=True`` is
   ``strict=False``) and ``DefaultSavePlanner`` (dcp writes each replicated box once, as its
@@ -37,18 +38,26 @@ FORMATS = {"native": "native", "torch_dcp": "torch-dcp", "torch-dcp": "torch-dcp
 
 @dataclass(frozen=True)
 class WriterOptions:
-    """What a save writes: the format (``"native"`` or ``"torch-dcp"``) and whether an
-    existing checkpoint may be replaced (torch's ``FileSystemWriter(overwrite=...)``)."""
+    """What a save writes: the format (``"native"`` or ``"torch-dcp"``), whether an
+    existing checkpoint may be replaced (torch's ``FileSystemWriter(overwrite=...)``) and the
+    transforms applied to every stored item (torch-dcp: ``("stream.zstd/1",)``, from
+    ``_extensions=[ZStandard()]``)."""
 
     format: str = "native"
     overwrite: bool = True
+    transforms: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The format and its transforms, which every rank of a save must agree on."""
+        return "+".join((self.format, *self.transforms))
 
     def writer(self, path: str, allow_pickle: bool) -> Any:
         """The dcp-reader writer of this format into ``path``."""
         if self.format == "torch-dcp":
             from dcp_reader.write import TorchDcpWriter
 
-            return TorchDcpWriter(path, allow_pickle=allow_pickle)
+            return TorchDcpWriter(path, allow_pickle=allow_pickle, transforms=self.transforms)
         from dcp_reader import NativeWriter
 
         return NativeWriter(path, allow_pickle=allow_pickle)
@@ -190,9 +199,27 @@ def writer_options(storage_writer: Any, format: str, what: str) -> WriterOptions
         raise ValueError(f"{what}: storage_writer has serialization_format={serialization!r}, which dcp does not "
                          "write: pass SerializationFormat.TORCH_SAVE (torch's default, which every torch release "
                          "reads), or save in dcp's native format (safetensors data files)")
+    return WriterOptions(fmt, overwrite=bool(getattr(storage_writer, "overwrite", True)),
+                         transforms=_transforms(storage_writer, fmt, what))
+
+
+def _transforms(storage_writer: Any, fmt: str, what: str) -> tuple[str, ...]:
+    """The transform descriptors of the writer's ``_extensions``: none, or torch's one
+    ``ZStandard()`` in torch DCP's format (``("stream.zstd/1",)``, its ``zstandard`` module
+    installed); anything else refused by name before anything is written."""
     extensions = tuple(getattr(getattr(storage_writer, "transforms", None), "extensions", ()) or ())
-    if extensions:
-        names = [type(e).__name__ for e in extensions]
+    if not extensions:
+        return ()
+    names = [type(e).__name__ for e in extensions]
+    if names != ["ZStandard"] or _torch_class(extensions[0]) != "ZStandard":
         raise ValueError(f"{what}: storage_writer has _extensions={names}, which dcp does not apply: nothing was "
-                         "written. Save without _extensions (torch's readers read uncompressed files as well)")
-    return WriterOptions(fmt, overwrite=bool(getattr(storage_writer, "overwrite", True)))
+                         "written. dcp applies torch's ZStandard() alone; save with _extensions=[ZStandard()] or "
+                         "without _extensions (torch's readers read uncompressed files as well)")
+    if fmt != "torch-dcp":
+        raise ValueError(f"{what}: storage_writer has _extensions=['ZStandard'], which applies to torch DCP's format: "
+                         "nothing was written. Pass format='torch_dcp' (dcp_load.torch_compat does), or drop "
+                         "_extensions for dcp's native format")
+    from dcp_reader.formats._zstd_frames import ZSTD_DESCRIPTOR
+    from dcp_reader.write._zstd_blobs import check_transforms_written
+
+    return check_transforms_written((ZSTD_DESCRIPTOR,))

@@ -311,14 +311,14 @@ def plan_save(coord: Coordinator, platform: Any, collective: bool, leaves: list[
             writer.planner_data = {leaf.name: leaf.keys for leaf in leaves}
             lock, encoded, save_id = _prepare(writer, values, no_dist, errors, options)
         world = platform.world_size() if collective else 1
-        remembered, scope = None, f"{getattr(platform, 'group_key', 'world')}/{options.format}"
+        remembered, scope = None, f"{getattr(platform, 'group_key', 'world')}/{options.label}"
         if collective:  # the same holdings as a save before: one all-reduce instead of a gathering
             pending = agreed.start(platform, coord.waiter, world=world, rank=rank, holdings=holdings,
-                                   values=sorted(values), path=f"{options.format}:{path}", save_id=save_id,
+                                   values=sorted(values), path=f"{options.label}:{path}", save_id=save_id,
                                    failed=bool(errors), scope=scope)
             early = _while(pending, while_agreeing, targets)
             remembered = pending.result()
-        planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path, options.format),
+        planned = _planned(coord, collective, remembered, (holdings, sorted(values), save_id, path, options.label),
                            errors, world, me, scope, options.data_file_name)
     except BaseException:
         if lock is not None:

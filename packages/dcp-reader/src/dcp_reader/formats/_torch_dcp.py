@@ -5,11 +5,15 @@ resolved to an inert stand-in, with bounds on memo indices and on the elements b
 torch code runs, and torch is not even imported). Tensor payloads are torch.save blobs at
 (offset, length) in a .distcp file: the reader reads boxes of them narrowed in the file
 (``_torch_save_zip``, ``_torch_save_box``); ``load_blob`` (``torch.load(weights_only=True)``)
-reads values and the blobs that cannot be narrowed.
+reads values and the blobs that cannot be narrowed. An item stored through torch's
+``ZStandard`` extension (``transform_descriptors=["stream.zstd/1"]``, ``_zstd_frames``) is
+inflated first, then read the same way (``_zstd_items``); any other transform is refused,
+naming it, the file and the key.
 
 A checkpoint that dcp wrote in this format has ``dcp-checksums.json`` beside ``.metadata``
 (torch ignores it): the block checksums of every chunk's tensor bytes (the data inside the
-blob, blocks counted from its first byte) and the checksum of every value's whole blob.
+blob, blocks counted from its first byte; for a chunk stored compressed, of its bytes as
+stored) and the checksum of every value's whole blob (as stored).
 ``load_torch_dcp`` attaches them to the chunks and values (``_attach_checksums``), so that
 the reader verifies what it reads; one torch wrote has none and is read unverified.
 """
@@ -45,6 +49,7 @@ from ..storage._roots import check_files, file_size, read_regular
 from ._native import SAVE_ID_RE
 from ._torch_save_zip import check_blob_pickles
 from ._unpickle import _ALLOWED, _TORCH_DTYPES, _Dtype, _Record, _RestrictedUnpickler
+from ._zstd_frames import check_transforms
 
 # Re-exported: readers of other pickled formats subclass _RestrictedUnpickler from here.
 __all__ = ["CHECKSUMS_FILE", "METADATA_FILE", "_ALLOWED", "_TORCH_DTYPES", "_Dtype", "_Record", "_RestrictedUnpickler",
@@ -110,16 +115,14 @@ def _entries(md: Any, path: str) -> tuple[dict[str, TensorMeta], dict[str, Value
     values: dict[str, ValueMeta] = {}
     problems: list[CheckpointError] = []
 
-    def loc(fqn: str, offsets: tuple[int, ...] | None) -> tuple[str, tuple[int, int]]:
+    def loc(fqn: str, offsets: tuple[int, ...] | None) -> tuple[str, tuple[int, int], tuple[str, ...]]:
         info = where.get((fqn, offsets))
         if info is None:
             raise MetadataError(f"no storage entry for {fqn!r} at offsets {short_repr(offsets)}", path=path,
                                 key=fqn)
-        td = info.get("transform_descriptors", 3)
-        if td:
-            raise MetadataError(f"{fqn!r} is stored with transforms {short_repr(td, 100)} (e.g. compression), which "
-                                "dcp-reader does not support; re-save without them", path=path, key=fqn)
-        return info.get("relative_path", 0), (info.get("offset", 1), info.get("length", 2))
+        file = info.get("relative_path", 0)
+        transforms = check_transforms(info.get("transform_descriptors", 3), path=path, file=file, key=fqn)
+        return file, (info.get("offset", 1), info.get("length", 2)), transforms
 
     for fqn, m in (md.get("state_dict_metadata", 0) or {}).items():
         if not isinstance(fqn, str):  # before it is formatted into any message
@@ -128,8 +131,8 @@ def _entries(md: Any, path: str) -> tuple[dict[str, TensorMeta], dict[str, Value
         try:
             q = getattr(m, "qualname", "")
             if q.endswith(".BytesStorageMetadata"):
-                file, st = loc(fqn, None)
-                values[fqn] = ValueMeta(name=fqn, file=file, key=fqn, storage=st)
+                file, st, tr = loc(fqn, None)
+                values[fqn] = ValueMeta(name=fqn, file=file, key=fqn, storage=st, transforms=tr)
                 continue
             if not q.endswith(".TensorStorageMetadata"):
                 raise MetadataError(f"{fqn!r} has metadata of type {q or type(m).__name__}", path=path, key=fqn)
@@ -137,9 +140,9 @@ def _entries(md: Any, path: str) -> tuple[dict[str, TensorMeta], dict[str, Value
             chunks = []
             for c in m.get("chunks", 2):
                 offsets = tuple(c.get("offsets", 0))
-                file, st = loc(fqn, offsets)
+                file, st, tr = loc(fqn, offsets)
                 chunks.append(ChunkMeta(offsets=offsets, sizes=tuple(c.get("sizes", 1)), file=file,
-                                        key=fqn, storage=st))
+                                        key=fqn, storage=st, transforms=tr))
             tensors[fqn] = TensorMeta(name=fqn, shape=tuple(m.get("size", 1)), dtype=dtype, chunks=tuple(chunks))
         except CheckpointError as e:
             problems.append(e.with_path(path))
@@ -207,6 +210,12 @@ def load_torch_dcp(root_real: str, *, check: bool = True, checksums: bool = True
         raise e.with_path(path) from None
 
 
+def summed_bytes(c: ChunkMeta, t: TensorMeta) -> int:
+    """The bytes a chunk's block checksums cover: its tensor data inside its blob, or, for a
+    chunk stored compressed (``transforms``), its bytes as stored."""
+    return c.storage[1] if c.transforms and c.storage is not None else c.numel * t.itemsize
+
+
 def _checksums_limit(tensors: dict[str, TensorMeta], values: dict[str, ValueMeta]) -> int:
     """The most bytes ``dcp-checksums.json`` of this metadata takes as dcp writes it (names
     escaped to ASCII, 17 bytes per 4 MiB block), with room to spare: a larger one is refused
@@ -215,7 +224,7 @@ def _checksums_limit(tensors: dict[str, TensorMeta], values: dict[str, ValueMeta
     for name, t in tensors.items():
         n += 12 * len(name) + 16
         for c in t.chunks:
-            n += 21 * len(c.offsets) + 64 + 17 * (c.numel * t.itemsize // BLOCK_BYTES + 1)
+            n += 21 * len(c.offsets) + 64 + 17 * (summed_bytes(c, t) // BLOCK_BYTES + 1)
     return min(METADATA_LIMIT, n + sum(12 * len(name) + 64 for name in values))
 
 
@@ -290,7 +299,7 @@ def _tensor_sums(doc: dict[str, Any], tensors: dict[str, TensorMeta], path: str,
                                        f"'{ALGORITHM}/<block>:<16 hex digits>,...'"))
                 continue
             try:
-                BlockSums.parse(text, c.numel * t.itemsize, path=path, key=name)
+                BlockSums.parse(text, summed_bytes(c, t), path=path, key=name)
             except MetadataError as e:
                 problems.append((name, f"{where}: {e.message}"))
                 continue

@@ -20,6 +20,7 @@ from ..storage._pread import pread_bytes
 from ..storage._protocol import Storage, StorageFile
 from ..storage._roots import read_regular, storage_at
 from ..storage._uri import real_root
+from ._checksum import BlockSums
 from ._dcp_blocks import check_loaded, chunk_key, verify_chunk
 from ._value_sums import check_bytes, check_value
 
@@ -109,7 +110,14 @@ class _Bad:
 
 def _verify_dcp_chunk(r: CheckpointReader, name: str, dtype: str, c: ChunkMeta) -> int:
     """Every block of a torch DCP chunk that has checksums (its blob loaded whole where its
-    layout cannot be read in place); the bytes checked."""
+    layout cannot be read in place; a chunk stored compressed: its bytes as stored, which
+    the checksums cover and a load checks before inflating them); the bytes checked."""
+    if c.transforms:
+        assert c.checksum is not None and c.storage is not None
+        f = r._stored_file(name, c.file, c.storage)
+        sums = BlockSums.parse(c.checksum, c.storage[1], path=f.path, key=chunk_key(name, c.offsets))
+        return verify_chunk(f.fd, c.storage[0], c.storage[1], sums, worker=r._hasher, path=f.path,
+                            key=chunk_key(name, c.offsets), name=name)
     f, layout = r._dcp_layout(dtype, name, c)
     sums = r._dcp_sums(f, dtype, name, c, True)
     assert sums is not None and c.storage is not None

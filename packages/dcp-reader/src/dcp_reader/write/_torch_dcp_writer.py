@@ -22,6 +22,11 @@ length, checksum) of its chunks in ``<data file>.index.json`` beside its data fi
 ``commit`` reads them (one small read per file, as the native commit reads each file's
 header), and the tidy-up after the commit removes them. dcp reads the result with its safe
 reader (``formats._torch_dcp``: no unpickling).
+
+``transforms=("stream.zstd/1",)``: every item is written compressed as torch's
+``FileSystemWriter(_extensions=[ZStandard()])`` writes it (``_zstd_blobs``), with that
+descriptor in its ``_StorageInfo``; its checksums (block checksums of a chunk, the checksum of
+a value) are then those of the bytes as stored, which a load checks before inflating them.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from ..integrity._checksum import block_digests
 from ..integrity._value_sums import bytes_checksum
 from ..storage._names import METADATA_LIMIT
 from ..storage._posix import write_unsynced
+from ._torch_saved import TorchSavedValue
 from ._writer import EncodedValues, NativeWriter
+from ._zstd_blobs import check_transforms_written, zstd_bytes, zstd_torch_save
 
 __all__ = ["CHECKSUMS_FILE", "TorchDcpWriter", "torch_dcp_own_file"]
 
@@ -139,7 +146,10 @@ class TorchDcpWriter(NativeWriter):
 
     format = "torch-dcp"
 
-    def __init__(self, path: Any, *, allow_pickle: bool = False, sync_files: bool = True):
+    def __init__(self, path: Any, *, allow_pickle: bool = False, sync_files: bool = True,
+                 transforms: tuple[str, ...] = ()):
+        #: torch's transform descriptors applied to every item: () or ("stream.zstd/1",)
+        self.transforms = check_transforms_written(transforms)  # before the directory is made
         super().__init__(path, allow_pickle=allow_pickle)
         #: {flattened name: its keys from the top}, set by the caller on rank 0 before ``commit``
         self.planner_data: dict[str, tuple[Any, ...]] = {}
@@ -166,10 +176,14 @@ class TorchDcpWriter(NativeWriter):
         pos = 0
         for key, t in tensors.items():
             t = _exact(t, key)
-            keep.append(t)
-            buffers, n = _blob(t)
-            raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
-            index[key] = [pos, n, block_digests(raw)]
+            if self.transforms:  # the bytes as stored, and their checksums
+                packed = zstd_torch_save(t)
+                buffers, n, raw = [packed], len(packed), packed
+            else:
+                keep.append(t)
+                buffers, n = _blob(t)
+                raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
+            index[key] = [pos, n, block_digests(raw), list(self.transforms)]
             parts.extend(buffers)
             pos += n
         n = self.storage.put(name, parts)
@@ -205,11 +219,16 @@ class TorchDcpWriter(NativeWriter):
         parts: list[bytes] = []
         pos = 0
         for name, value in every.items():
-            buf = io.BytesIO()
-            torch.save(value, buf)
-            raw = buf.getvalue()
+            if isinstance(value, TorchSavedValue):  # serialised by the rank holding it: written unread
+                raw = value.blob
+            else:
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                raw = buf.getvalue()
+            if self.transforms:  # the bytes as stored, and their checksum
+                raw = zstd_bytes(raw)
             out[name] = ValueMeta(name=name, file=file_name, key=name, storage=(pos, len(raw)),
-                                  checksum=bytes_checksum(raw))
+                                  checksum=bytes_checksum(raw), transforms=self.transforms)
             parts.append(raw)
             pos += len(raw)
         if parts:
@@ -244,14 +263,14 @@ class TorchDcpWriter(NativeWriter):
         self.storage.put(name, [raw])
 
     def _stored(self, files: Iterable[str]) -> dict[tuple[str, str], list[Any]]:
-        """{(data file, chunk key): [offset, length, checksum]} from each file's index."""
+        """{(data file, chunk key): [offset, length, checksum, transforms]} from each file's index."""
         out: dict[tuple[str, str], list[Any]] = {}
         for file in sorted(files):
             raw = self.storage.read_small(file + INDEX_SUFFIX, limit=_INDEX_LIMIT, key=file)
             try:
                 index = json.loads(raw)
-                for key, (off, length, digest) in index.items():
-                    out[(file, key)] = [int(off), int(length), str(digest)]
+                for key, (off, length, digest, transforms) in index.items():
+                    out[(file, key)] = [int(off), int(length), str(digest), tuple(map(str, transforms))]
             except (ValueError, TypeError) as e:
                 raise MetadataError(f"the index of {file!r} is not what this writer wrote ({e}); save again",
                                     path=self.storage.path(file + INDEX_SUFFIX)) from None
@@ -287,13 +306,14 @@ class TorchDcpWriter(NativeWriter):
 
 def torch_metadata(metadata: CheckpointMetadata, stored: Mapping[tuple[str, str], list[Any]],
                    planner_data: Mapping[str, tuple[Any, ...]], checkpoint_id: str) -> bytes:
-    """The pickled torch ``Metadata`` of ``metadata`` (chunks at ``stored``), as torch's
-    ``FileSystemWriter.finish`` pickles it."""
+    """The pickled torch ``Metadata`` of ``metadata`` (chunks at ``stored``: offset, length,
+    checksum and, optionally, transform descriptors), as torch's ``FileSystemWriter.finish``
+    pickles it."""
     import pickle
 
     import torch
     from torch.distributed.checkpoint import metadata as tm
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 
     state: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
@@ -302,12 +322,12 @@ def torch_metadata(metadata: CheckpointMetadata, stored: Mapping[tuple[str, str]
         chunks = []
         for i, c in enumerate(t.chunks):
             chunks.append(tm.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)))
-            off, length, _ = stored[(c.file, c.key)]
-            storage[tm.MetadataIndex(name, c.offsets, i)] = _StorageInfo(c.file, off, length)
+            off, length, _, *transforms = stored[(c.file, c.key)]
+            storage[tm.MetadataIndex(name, c.offsets, i)] = _info(c.file, off, length, *transforms)
         state[name] = tm.TensorStorageMetadata(tm.TensorProperties(dtype=dtype), torch.Size(t.shape), chunks)
     for name, v in metadata.values.items():
         state[name] = tm.BytesStorageMetadata()
-        storage[tm.MetadataIndex(name)] = _StorageInfo(v.file, *v.storage)
+        storage[tm.MetadataIndex(name)] = _info(v.file, *v.storage, v.transforms)
     plan = {n: tuple(planner_data.get(n) or _keys_of(n)) for n in state}
     md = tm.Metadata(state_dict_metadata=state, planner_data=plan, storage_data=storage,
                      storage_meta=tm.StorageMeta(checkpoint_id=checkpoint_id, save_id=None),
@@ -317,6 +337,16 @@ def torch_metadata(metadata: CheckpointMetadata, stored: Mapping[tuple[str, str]
         raise ValueError(f"the torch-dcp metadata would be {len(raw)} bytes, over dcp's read limit of "
                          f"{METADATA_LIMIT}: save in the native format")
     return raw
+
+
+def _info(file: str, offset: int, length: int, transforms: tuple[str, ...] = ()) -> Any:
+    """torch's ``_StorageInfo`` of an item; its ``transform_descriptors`` left out (None, as
+    torch leaves it, and as torch releases before the field read) when there are none."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if not transforms:
+        return _StorageInfo(file, offset, length)
+    return _StorageInfo(file, offset, length, transform_descriptors=list(transforms))
 
 
 def _keys_of(name: str) -> tuple[Any, ...]:
