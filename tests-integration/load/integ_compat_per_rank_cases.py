@@ -58,3 +58,37 @@ def other_ranks_key(rank: int, world: int, root: str) -> str:
     except dcp_load.LoadError as exc:
         return str(exc)
     return "loaded"
+
+
+def _values(rank: int) -> dict[str, Any]:
+    import fractions
+
+    import numpy as np
+
+    return {"w": torch.arange(4.0),
+            "sampler": {f"dp_rank_{rank}": {"epoch": rank, "order": (rank, rank + 1), "done": None}},
+            "np_rng": {f"dp_rank_{rank}": np.random.RandomState(rank).get_state()},
+            "share": {f"dp_rank_{rank}": fractions.Fraction(rank + 1, 3)}}
+
+
+def _shown(state: dict[str, Any], rank: int) -> list[Any]:
+    key = f"dp_rank_{rank}"
+    rng = state["np_rng"][key]
+    return [state["w"].tolist(), state["sampler"][key], str(state["share"][key]),
+            [rng[0], rng[1][:4].tolist(), rng[2]] if isinstance(rng, tuple) else repr(rng)]
+
+
+def per_rank_values(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Non-tensor values under each rank's own key, plain data or not (a NumPy RNG state, a
+    Fraction), saved by ``torch_compat`` (each sent to rank 0 as plain data or as the bytes
+    its holder's ``torch.save`` wrote, never unpickled there), loaded by torch DCP and by dcp."""
+    path = os.path.join(root, "values")
+    compat.save(_values(rank), checkpoint_id=path)
+    out: dict[str, Any] = {"want": _shown(_values(rank), rank)}
+    for name, load in (("torch", tdcp.load), ("compat", compat.load)):
+        got = {"w": torch.full((4,), POISON),
+               "sampler": {f"dp_rank_{rank}": {"epoch": -1, "order": "poison", "done": "poison"}},
+               "np_rng": {f"dp_rank_{rank}": "poison"}, "share": {f"dp_rank_{rank}": "poison"}}
+        load(got, checkpoint_id=path)
+        out[name] = _shown(got, rank)
+    return out

@@ -36,6 +36,6 @@ def test_a_value_one_rank_cannot_pickle_fails_every_rank_at_once(tmp_path, how, 
     cause = "this object refuses pickling" if how == "reduce" else "this object's state cannot be read"
     for r in per_rank:
         assert r["raised"] == "LoadError" and r["load_error"], r
-        assert "'loader.dp_rank_1'" in r["message"] and "rank 1 cannot pickle it" in r["message"], r
+        assert "'loader.dp_rank_1'" in r["message"] and "rank 1 cannot serialise it" in r["message"], r
         assert cause in r["message"], r
         assert r["seconds"] < PG_TIMEOUT / 3, r

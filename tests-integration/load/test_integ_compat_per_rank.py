@@ -26,3 +26,11 @@ def test_a_key_no_rank_saved_is_still_refused(tmp_path):
     per_rank = run_ranks(cases.other_ranks_key, 2, str(tmp_path), timeout=180, pg_timeout=90)
     for message in per_rank:
         assert "rng.dp_rank_7" in message and "validate failed" in message, message
+
+
+def test_per_rank_values_plain_or_not_reach_torch_and_dcp_loads(tmp_path):
+    per_rank = run_ranks(cases.per_rank_values, 3, str(tmp_path), timeout=180, pg_timeout=90)
+    for rank, r in enumerate(per_rank):
+        assert r["want"][1] == {"epoch": rank, "order": (rank, rank + 1), "done": None}, r
+        assert r["torch"] == r["want"], (rank, r)
+        assert r["compat"] == r["want"], (rank, r)

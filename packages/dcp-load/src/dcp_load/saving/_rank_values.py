@@ -10,23 +10,24 @@ their flattened names as top-level keys, which save under the same names; a load
 holding rank finds them there. Stateful objects come back resolved (their
 ``state_dict()``), so that the save does not call them twice.
 
-Costs two collectives of the save's group on the caller's thread, bounded by the group's
-timeout: rank 0's value names, broadcast (each rank receives one list, whatever the world
-size: an all-gather of every rank's names would grow with it), and the values each rank
-holds that rank 0 lacks (usually none), gathered to rank 0. Nothing without a process
-group or with ``no_dist``. Every rank takes part even when its state dict is refused
-below: the save then names the problem on every rank.
+Costs two all-gathers of the save's group (the platform's, over its host-memory control
+group) on the caller's thread, bounded by the group's timeout: rank 0's value names (the
+other ranks send nothing), and the values each rank holds that rank 0 lacks (usually
+none). Nothing without a process group or with ``no_dist``. Every rank takes part even
+when its state dict is refused below: the save then names the problem on every rank.
 
-Each rank pickles its own values before the gather, so that one it cannot pickle (a
-``__reduce__`` or ``__getstate__`` that raises) still sends rank 0 a note of the failure
-instead of raising alone on that rank while rank 0 waits for the group's timeout; rank 0
-puts the note in the value's place, and the save's own pickling check refuses it on every
-rank, naming the key, the holding rank and the cause (as for a value that rank 0 cannot
-unpickle).
+Nothing is pickled between processes (``dcp_platform.codec``): a plain-data value travels
+as itself; any other value is serialised by its holder with ``torch.save``, and rank 0
+writes those bytes unread (``dcp_reader.write.TorchSavedValue``), as torch DCP would have
+written them on the holder. A value its holder cannot serialise (a ``__reduce__`` or
+``__getstate__`` that raises) sends rank 0 a note instead of raising alone on that rank
+while the others wait; rank 0 puts the note in the value's place, and the save's own
+check refuses it on every rank, naming the key, the holding rank and the cause.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Mapping
 from typing import Any
@@ -36,31 +37,32 @@ from ..layouts._stateful import resolve as resolve_statefuls
 
 __all__ = ["with_other_ranks_values"]
 
+_PLAIN, _SAVED, _REFUSED = "plain", "torch.save", "refused"
+
 
 def with_other_ranks_values(state_dict: Mapping[Any, Any], process_group: Any, no_dist: bool) -> Mapping[Any, Any]:
     """``state_dict``, on rank 0 of the group with the values only other ranks hold (module
     docstring)."""
     import torch.distributed as dist
+    from dcp_platform import get_platform
 
     if no_dist or not (dist.is_available() and dist.is_initialized()) or not isinstance(state_dict, Mapping):
         return state_dict
-    me, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    me = dist.get_rank(process_group)
     if me < 0:  # not a member: the save refuses it, naming the group
         return state_dict
+    platform = get_platform("torch") if process_group is None else get_platform("torch", group=process_group)
     state, values = _own_values(state_dict)
-    at_zero: list[Any] = [sorted(values) if me == 0 else None]
-    dist.broadcast_object_list(at_zero, group=process_group, group_src=0)
-    known = set(at_zero[0])
-    lacking = {name: _pickled(value, me) for name, value in values.items() if name not in known}
-    gathered: list[Any] | None = [None] * world if me == 0 else None
-    dist.gather_object(lacking, gathered, group=process_group, group_dst=0)
-    if me != 0 or gathered is None:
+    known = set(platform.all_gather_object(sorted(values) if me == 0 else None)[0] or ())
+    lacking = {name: _sent(value, me) for name, value in values.items() if name not in known}
+    gathered = platform.all_gather_object(lacking if me != 0 else {})
+    if me != 0:
         return state
     extra: dict[str, Any] = {}
     for rank, part in enumerate(gathered[1:], start=1):  # in rank order: the lowest holder's value is kept
-        for name, value in (part or {}).items():
+        for name, value in part.items():
             if name not in extra:
-                extra[name] = _unpickled(value, rank)
+                extra[name] = _received(value, rank)
     return {**state, **extra} if extra else state
 
 
@@ -75,22 +77,38 @@ class _Unsaveable:
         raise pickle.PicklingError(self.reason)
 
 
-def _pickled(value: Any, rank: int) -> bytes | str:
-    """``value`` pickled here (bytes), or why it cannot be (text, sent instead of raising)."""
+def _sent(value: Any, rank: int) -> tuple[str, Any]:
+    """``value`` as this rank sends it: (``"plain"``, the value), (``"torch.save"``, its bytes)
+    or (``"refused"``, why it cannot be serialised; sent instead of raising)."""
+    from dcp_platform.codec import pack
+
     try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - pickling runs arbitrary __reduce__ code; every rank is told
-        return f"rank {rank} cannot pickle it: {type(exc).__name__}: {exc}"
+        pack(value)
+        return (_PLAIN, value)
+    except (TypeError, ValueError, RecursionError):
+        pass
+    import torch
+
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as exc:  # noqa: BLE001 - serialising runs arbitrary __reduce__ code; every rank is told
+        return (_REFUSED, f"rank {rank} cannot serialise it: {type(exc).__name__}: {exc}")
+    return (_SAVED, buf.getvalue())
 
 
-def _unpickled(value: Any, rank: int) -> Any:
-    """A value ``_pickled`` sent from ``rank``, read back on rank 0 (or an ``_Unsaveable``)."""
-    if not isinstance(value, bytes):
-        return _Unsaveable(str(value))
-    try:
-        return pickle.loads(value)  # noqa: S301 - the job's own ranks' values, as gather_object unpickles
-    except Exception as exc:  # noqa: BLE001 - a class rank 0 cannot import, say; every rank is told
-        return _Unsaveable(f"rank 0 cannot unpickle rank {rank}'s value: {type(exc).__name__}: {exc}")
+def _received(sent: Any, rank: int) -> Any:
+    """What rank 0 saves for a value ``_sent`` from ``rank``: never unpickled here."""
+    from dcp_reader.write import TorchSavedValue
+
+    kind, body = sent if isinstance(sent, tuple) and len(sent) == 2 else (None, None)
+    if kind == _PLAIN:
+        return body
+    if kind == _SAVED and isinstance(body, bytes):
+        return TorchSavedValue(body, rank)
+    if kind == _REFUSED and isinstance(body, str):
+        return _Unsaveable(body)
+    return _Unsaveable(f"rank {rank} sent a value rank 0 does not read ({type(sent).__name__})")
 
 
 def _own_values(state_dict: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], dict[str, Any]]:
