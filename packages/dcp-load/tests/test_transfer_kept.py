@@ -46,7 +46,10 @@ def _entry(platform: _Platform, job: int, key: int) -> SimpleNamespace:
 
 
 def _agree(platform: _Platform, key: int, keep_plan: bool = True, failed: bool = False):
-    return _kept.agree(platform, False, key, failed=failed, keep_plan=keep_plan, watch=None)
+    entry, keep, extra = _kept.agree(platform, False, key, failed=failed, keep_plan=keep_plan, watch=None,
+                                     extra=(5, -5))
+    assert extra == [5, -5]  # the caller's lanes come back reduced (one rank: as sent)
+    return entry, keep
 
 
 def test_two_plans_sharing_this_ranks_layout_are_both_kept_and_the_newest_fitting_is_reused(platform):

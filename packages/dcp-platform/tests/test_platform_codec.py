@@ -149,7 +149,7 @@ def test_a_foreign_missing_key_is_named():
 
 
 @pytest.mark.parametrize(("key", "value", "words"), [
-    ("r/1", b"1,2", "before 0.6.1"),
+    ("r/1", b"1,2", "before 0.7"),
     ("r/1", _evil(), "not a reduction's lanes"),
     ("r/1", b"dcp1:lanes:1,x", "decimal integers"),
     ("r/1", b"dcp1:lanes:" + b"9" * 19, "outside int64"),

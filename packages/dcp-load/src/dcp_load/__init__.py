@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time ``__getattr__`
     from .transferring._engine import engine_shards, tp_offsets
     from .transferring._sync_group import TransferGroup, TransferGroupError, transfer_group
     from .transferring._transfer import TransferReport, transfer
+    from .transferring._versions import synced_version
 
 #: Public name -> the module (relative to this package) that defines it.
 _WHERE = {
@@ -49,6 +50,7 @@ _WHERE = {
     "TransferGroup": ".transferring._sync_group", "TransferGroupError": ".transferring._sync_group",
     "transfer_group": ".transferring._sync_group",
     "TransferReport": ".transferring._transfer", "transfer": ".transferring._transfer",
+    "synced_version": ".transferring._versions",
 }
 
 __all__ = [
@@ -80,6 +82,7 @@ __all__ = [
     "read_state_dict",
     "release_staging",
     "save",
+    "synced_version",
     "tp_offsets",
     "transfer",
     "transfer_group",

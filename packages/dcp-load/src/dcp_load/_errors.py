@@ -38,8 +38,12 @@ class LoadError(Exception):
     lists each distinct cause once with the ranks that hit it (``ranks 0-3, 5: cause``),
     so that its size stays flat as the world grows. ``advice``: its closing line, what the
     destinations hold (by default the phase's: unchanged, or possibly partly written);
-    ``advise`` replaces it.
+    ``advise`` replaces it. ``torn``: after a ``transfer`` that failed while writing in
+    place, this rank's destinations it wrote (the others hold what they held); empty
+    otherwise.
     """
+
+    torn: tuple[str, ...] = ()
 
     def __init__(self, failures: Mapping[int, Sequence[str]], phase: str, advice: str | None = None):
         self.failures = {int(r): tuple(c) for r, c in sorted(failures.items())}

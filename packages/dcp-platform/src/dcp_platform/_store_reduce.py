@@ -85,7 +85,7 @@ def _wrapped(v: int) -> int:
 def _decode(blob: Any, key: str) -> list[int]:
     """The lanes under ``key``; ``ControlMessageError`` for anything ``_encode`` does not write."""
     if not isinstance(blob, bytes) or not blob.startswith(_LANES):
-        writer = ("a dcp-platform before 0.6.1 (lanes without the codec's prefix)"
+        writer = ("a dcp-platform before 0.7 (lanes without the codec's prefix)"
                   if isinstance(blob, bytes) and _LANES_RE.fullmatch(blob) else None)
         raise ControlMessageError(key, f"not a reduction's lanes (it starts {bytes(blob)[:12]!r})", writer=writer)
     body = blob[len(_LANES):]

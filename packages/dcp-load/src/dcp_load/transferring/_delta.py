@@ -26,7 +26,7 @@ it succeeded (``_move.Pending``: the pieces arrive in staging, as many bytes as 
 receives; ``_transfer`` applies them after its final check), and the senders' copies are
 updated only then: a call that fails part way leaves every destination with the previous
 step, bit for bit. The first call of a plan writes in place (the destinations do not hold
-a step of this plan yet).
+a step of this plan yet), unless the caller passed ``atomic=True`` (``_writes``).
 """
 
 from __future__ import annotations

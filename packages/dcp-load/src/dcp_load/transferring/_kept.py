@@ -12,6 +12,7 @@ kept. The all-reduce also carries a digest of the list, so that lists that came 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..plan._digest import all_reduce, digest
@@ -82,26 +83,27 @@ def _split(value: int) -> list[int]:
 
 
 def agree(platform: Any, collective: bool, key: int, *, failed: bool, keep_plan: bool,
-          watch: Any) -> tuple[Any, bool]:
-    """(the kept plan to reuse or None, whether the plan of this call is kept afterwards):
-    one MAX all-reduce of whether any rank failed already, of ``-keep_plan`` (kept only when
-    every rank keeps it), of the kept list's digest and its negation (equal on every rank
-    exactly when both come back as sent), and per kept plan of ``-(its layout is this
-    rank's now)``: the newest plan whose layout is every rank's is reused."""
+          watch: Any, extra: Sequence[int] = ()) -> tuple[Any, bool, list[int]]:
+    """(the kept plan to reuse or None, whether the plan of this call is kept afterwards,
+    ``extra`` reduced): one MAX all-reduce of whether any rank failed already, of
+    ``-keep_plan`` (kept only when every rank keeps it), of the kept list's digest and its
+    negation (equal on every rank exactly when both come back as sent), per kept plan of
+    ``-(its layout is this rank's now)`` (the newest plan whose layout is every rank's is
+    reused), and of the caller's ``extra`` lanes (``_transfer``: the version and its negation)."""
     kept = _kept(platform)
     parts = _split(digest(tuple(e.job for e in kept)))
     mine = [int(e.key == key) for e in kept] + [0] * (MAX_PLANS - len(kept))
-    lanes = [int(failed), -int(keep_plan), *parts, *(-p for p in parts), *(-m for m in mine)]
+    lanes = [int(failed), -int(keep_plan), *parts, *(-p for p in parts), *(-m for m in mine), *extra]
     if collective:
         lanes = all_reduce(platform, lanes, "max", watch)
-    keep = lanes[1] == -1
+    keep, reduced = lanes[1] == -1, lanes[6 + MAX_PLANS:]
     if lanes[2:4] != parts or lanes[4:6] != [-p for p in parts]:
         _clear(kept)  # the lists differ: no rank can tell which plans its peers hold
-        return None, keep
+        return None, keep, reduced
     if lanes[0]:
-        return None, keep
+        return None, keep, reduced
     everyone = [i for i in range(len(kept)) if lanes[6 + i] == -1]
-    return (kept[everyone[-1]] if everyone else None), keep
+    return (kept[everyone[-1]] if everyone else None), keep, reduced
 
 
 def _clear(kept: list[Any]) -> None:

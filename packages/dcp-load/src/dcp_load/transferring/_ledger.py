@@ -18,7 +18,7 @@ from typing import Any
 
 from ..layouts._targets import Target
 
-__all__ = ["MAX_WRITES", "Span", "forget", "overwritten", "spans", "written"]
+__all__ = ["MAX_WRITES", "Span", "forget", "overwritten", "span", "spans", "written"]
 
 #: Entries kept over every storage before the ledger is cleared (each is a few Python objects).
 MAX_WRITES = 1 << 16
@@ -32,7 +32,7 @@ _SEQ = itertools.count(1)
 _OTHER = object()
 
 
-def _span(tensor: Any) -> Span:
+def span(tensor: Any) -> Span:
     """The bytes ``tensor`` may touch in its storage (every element between its first and
     last; a tensor that is not torch's counts as its own storage)."""
     storage = getattr(tensor, "untyped_storage", None)
@@ -48,7 +48,7 @@ def _span(tensor: Any) -> Span:
 
 def spans(targets: Mapping[str, Target]) -> dict[str, Span]:
     """Each destination's bytes, by name."""
-    return {name: _span(t.local) for name, t in targets.items()}
+    return {name: span(t.local) for name, t in targets.items()}
 
 
 def written(where: Mapping[str, Span] | Any, by: Any = None) -> int:

@@ -7,18 +7,20 @@ whose piece arrives in another dtype, or into a destination that has no aliasing
 receives into staging and copies into place after its round. The rounds of the plan bound
 that staging (``_planner._rounds``).
 
-A delta transfer after its first call (``_delta``) writes no destination while data moves:
-given a ``Pending``, every piece a receiver gets arrives in staging, and its copies into the
-destinations (and a holder's copies of its own pieces) are held there until every rank
-agreed that the call succeeded (``_transfer``), so that a failed call leaves the previous
-step in place. That staging is as large as the bytes the rank receives in the call.
+A staged transfer (``atomic=True``, or a delta transfer after its first call: ``_delta``)
+writes no destination while data moves: given a ``Pending``, every piece a receiver gets
+arrives in staging, and its copies into the destinations (and a holder's copies of its own
+pieces) are held there until every rank agreed that the call succeeded (``_transfer``), so
+that a failed call leaves the previous step in place. That staging is as large as the bytes
+the rank receives in the call. A transfer that writes in place notes each round's
+destinations before the round runs (``move``'s ``touched``: those a failure leaves torn).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..layouts._targets import Target
@@ -38,10 +40,11 @@ class MoveStats:
     bytes_copied: int = 0
     pieces: int = 0
     seconds: float = 0.0
+    written: set[str] = field(default_factory=set)  # destinations written (in place, or held in a ``Pending``)
 
 
 class Pending:
-    """The writes into this rank's destinations that a delta call holds back until every rank
+    """The writes into this rank's destinations that a staged call holds back until every rank
     agreed that it succeeded (module docstring): ``apply`` makes them. Local only: nothing in
     it waits for a peer."""
 
@@ -92,6 +95,8 @@ class _Round:
         self.items: list[Any] = []
         self.after: list[tuple[Target, Any, Any]] = []
         self.pieces = self.copied = 0
+        self.names: set[str] = set()  # the destinations this round writes, now or through ``pending``
+        self.in_place: set[str] = set()  # those it writes while it runs
 
     def _staging(self, piece: TransferPiece) -> Any:
         return self.platform.empty(piece.sizes, self.platform.dtype_from_name(piece.wire))
@@ -103,6 +108,10 @@ class _Round:
             self.items.append(BroadcastItem(piece.holder, piece.ranks, piece.nbytes))
             return
         self.pieces += 1
+        if self.rank in piece.receivers:
+            self.names.add(piece.dst)
+            if self.pending is None:
+                self.in_place.add(piece.dst)
         if self.rank == piece.holder:
             source = src[piece.src]
             view = _src_view(source, piece)
@@ -182,13 +191,18 @@ def lazily(platform: Any, rounds: Sequence[Sequence[TransferPiece]], src: Mappin
         yield from prepare(platform, [pieces], src, dst, batch_bytes=batch_bytes, pending=pending)
 
 
-def move(platform: Any, prepared: Iterable[_Round], *, max_in_flight: int, groups: Any, watch: Any) -> MoveStats:
+def move(platform: Any, prepared: Iterable[_Round], *, max_in_flight: int, groups: Any, watch: Any,
+         touched: set[str] | None = None) -> MoveStats:
     """Copy and broadcast this rank's pieces, round by round (``prepared``: from ``prepare``
-    or ``lazily``)."""
+    or ``lazily``). ``touched``: gets the destinations each round writes in place, before it
+    runs (what a failure from there on leaves torn)."""
     stats = MoveStats()
     start = time.perf_counter()
     for step in prepared:
+        if touched is not None:
+            touched.update(step.in_place)
         step.run(groups, max_in_flight, watch, stats)
+        stats.written.update(step.names)
     platform.synchronize()
     stats.seconds = time.perf_counter() - start
     return stats

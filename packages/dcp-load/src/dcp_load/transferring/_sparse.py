@@ -181,6 +181,8 @@ class SparseRound:
         self.scatter: list[tuple[Any, Any, Any, int, int]] = []  # (view, buffer, wire dtype, numel, count)
         self.local: list[tuple[Target, Any, Any]] = []  # (target, into, from): the holder's own copies
         self.pieces = self.copied = 0
+        self.names: set[str] = set()  # the destinations it writes, now or through ``pending`` (``_move.move``)
+        self.in_place: set[str] = set()  # those it writes while it runs
 
     def add(self, piece: TransferPiece, nbytes: int, count: int, payload: Any, src: Mapping[str, Target],
             dst: Mapping[str, Target]) -> None:
@@ -191,6 +193,10 @@ class SparseRound:
             self.items.append(BroadcastItem(piece.holder, piece.ranks, nbytes))
             return
         self.pieces += 1
+        if self.rank in piece.receivers:
+            self.names.add(piece.dst)
+            if self.pending is None:
+                self.in_place.add(piece.dst)
         if self.rank == piece.holder:
             if self.rank in piece.receivers:  # a holder that needs the piece copies it whole, locally
                 copy = (dst[piece.dst], dst[piece.dst].view(piece.offsets, piece.sizes), _src_view(src[piece.src], piece))

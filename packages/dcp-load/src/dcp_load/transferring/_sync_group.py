@@ -178,8 +178,10 @@ class TransferGroup:
             backend.shutdown()
         self._backends.clear()
         from ._kept import forget_group
+        from ._versions import forget_group as forget_count
 
         forget_group(self.dcp_group_key)
+        forget_count(self.dcp_group_key)
         self._store = self._hosted = None  # the server (and its port) goes with the last reference
 
     def _closing(self, timeout: float) -> None:

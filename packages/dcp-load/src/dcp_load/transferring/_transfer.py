@@ -6,14 +6,16 @@ gather what each holds and wants once (``_layout``), plan who sends each piece
 targets' shardings and the broadcast groups are kept per layout: a later transfer between
 the same layouts (the reinforcement-learning loop's case) costs one all-reduce of a digest
 before the data moves, and a changed layout on any rank is planned anew on every rank.
+That all-reduce also compares the call's version (``_versions``); how the call writes the
+destinations (in place or staged) and what a failure leaves is ``_writes``; the caller's
+hook runs once every rank succeeded (``_hook``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,14 +35,16 @@ from ..run._coordinate import (
     unusable_cause,
 )
 from ..run._validate import exchange
-from . import _ledger
+from . import _ledger, _versions
 from ._delta import Delta
 from ._fp8 import plan_layouts
+from ._hook import call_hook, check_hook
 from ._kept import agree, forget, group_object, keep
 from ._layout import Side, build_targets, entries, pointers, side_of, signature, with_locals
 from ._move import MoveStats, Pending, lazily, mine, move, prepare
 from ._planner import TransferPlan
 from ._sync_group import sides_named
+from ._writes import Writes
 
 __all__ = ["TransferReport", "transfer"]
 
@@ -65,6 +69,10 @@ class TransferReport:
     ``composed``: (destination, source tensors) of each destination ``sources=`` mapped.
     ``skipped_not_in_mesh``: DTensor entries whose mesh leaves this rank out.
     ``seconds``: ``plan`` (from entry to the plan agreed), ``execute``, ``total``.
+    ``version``: the version this transfer synced (``version=``, or the group's count), which
+    this rank's destinations now hold (``synced_version``). ``changed``: the destinations
+    this rank wrote (all it fills; with ``delta=True`` those that received changed values,
+    and those copied from its own ``src``), as ``on_synced`` gets them.
     """
 
     rank: int
@@ -84,6 +92,20 @@ class TransferReport:
     cast: tuple[str, ...] = ()
     composed: tuple[tuple[str, int], ...] = ()
     skipped_not_in_mesh: tuple[str, ...] = ()
+    version: int | None = None
+    changed: tuple[str, ...] = ()
+
+
+@dataclass
+class _Call:
+    """One call's settings (compared between ranks), parsed ``sources``, caller's choices and writes."""
+
+    settings: tuple[Any, ...]
+    source_map: SourceMap | None
+    keep_plan: bool
+    start: float
+    version: int | None
+    writes: Writes
 
 
 @dataclass
@@ -108,12 +130,14 @@ class _Entry:
     delta: Any = None  # ``_delta.Delta`` of a plan made with delta=True
 
 
-def _check_arguments(batch_bytes: Any, max_in_flight: Any, timeout: Any) -> None:
+def _check_arguments(batch_bytes: Any, max_in_flight: Any, timeout: Any, version: Any, on_synced: Any) -> None:
     for what, value, low in (("batch_bytes", batch_bytes, 0), ("max_in_flight", max_in_flight, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"transfer: {what} must be an int >= {low}, got {value!r}")
     if timeout is not None:
         timeout_seconds(timeout, "transfer")
+    _versions.check_version(version)
+    check_hook(on_synced)
 
 
 #: Staging a rank holds at once for cast and lone strided pieces, per round of the plan
@@ -135,41 +159,40 @@ def transfer(
     keep_plan: bool = True,
     process_group: Any = None,
     delta: bool = False,
+    version: int | None = None,
+    atomic: bool = False,
+    on_synced: Callable[[tuple[str, ...]], Any] | None = None,
 ) -> TransferReport:
     """Fill ``dst`` in place with the values that the ranks' ``src`` hold; call on every rank.
 
     ``src``: what this rank holds (DTensors on any mesh, plain tensors standing for the
     whole tensor, ``Chunk``s, ``Flat`` buffers; nested mappings allowed), or None. ``dst``:
-    what this rank must fill, of the same kinds, or None. A rank may pass both (a trainer
-    and an engine on the same ranks). ``src`` is never written. Each destination box is
-    cut along the boxes the ranks hold; each piece is sent by one holder (a receiver that
-    holds it copies locally), to every rank that wants it, in broadcasts over the holder
-    and its receivers, small pieces packed below ``batch_bytes`` (0: none), at most
-    ``max_in_flight`` in flight.
+    what this rank must fill, of the same kinds, or None; ``src`` is never written. Each
+    destination box is cut along the boxes the ranks hold and each piece sent by one holder,
+    in broadcasts over it and its receivers, packed below ``batch_bytes`` (0: none), at most
+    ``max_in_flight`` in flight. ``sources``: ``{destination key: source}`` as in ``load``.
+    ``allow_dtype_cast``: cast to the destinations' dtypes (the narrower travels). ``timeout``:
+    how long the ranks wait for each other. ``keep_plan``: keep the plan and its groups for the
+    next transfer between the same layouts (``_kept``; a plan is kept only when every rank
+    keeps it). ``process_group``: the group to transfer within (default: the default group).
+    ``delta``: send only what changed since this plan's last transfer (``_delta``).
 
-    ``sources``: ``{destination key: source}`` as in ``load`` (a name of a ``src`` tensor,
-    ``Concat``, ``Stack`` or ``Slice``; ``{name}`` placeholders). ``allow_dtype_cast``:
-    destinations of another dtype are cast (the narrower dtype travels); ``False`` refuses.
-    ``timeout``: how long the ranks wait for each other (as ``load``'s). ``keep_plan``:
-    keep the plan, the shardings and the broadcast groups for the next transfer between the
-    same layouts (checked by one all-reduce of a digest on every call; a change on any rank
-    plans again everywhere; up to ``_kept.MAX_PLANS`` per process group, the same on every
-    rank); ``False`` forgets them after this call (a plan is kept only when every rank
-    keeps it).
+    ``version``: the trainer's step this call syncs (every rank the same; None: the group's
+    last version plus one); ``synced_version(dst)`` reads it afterwards. ``atomic``: stage
+    what this rank receives and write its destinations only once every rank succeeded (a
+    ``delta`` call after its plan's first does so anyway). ``on_synced(names)``: called on
+    this rank after the call succeeded on every rank, with the destinations it wrote.
 
     Every problem (a destination no rank holds, shapes that differ, a cast refused, ranks
-    passing different settings) raises ``LoadError`` on every rank before any destination
-    is written. A failure while data moves (a rank raises or dies) raises ``LoadError`` on
-    every rank and forgets the plan (the next transfer sends everything); the destinations
-    may then hold a mix of two steps, except after a ``delta`` call (below) past its first.
-    ``process_group``: the group to transfer within (default: the default group; plans and
-    groups are kept per group). A rank whose arguments are refused tells the others at once.
-    ``delta``: send only what changed since this plan's last transfer (``_delta``; the first
-    sends all); later calls stage what arrives and write it once every rank succeeded, so a
-    failed one leaves the previous step. Returns this rank's ``TransferReport``.
+    passing different settings or versions) raises ``LoadError`` on every rank before any
+    destination is written. A failure while data moves raises ``LoadError`` on every rank
+    and forgets the plan; a call that wrote in place names this rank's torn destinations
+    (``LoadError.torn``), a staged one wrote none. Returns this rank's ``TransferReport``
+    (docs/transfer.md has the rules in full).
     """
     slot = next_slot("transfer", scope_of(process_group))
-    refused_together("transfer", slot, process_group, lambda: _check_arguments(batch_bytes, max_in_flight, timeout))
+    refused_together("transfer", slot, process_group,
+                     lambda: _check_arguments(batch_bytes, max_in_flight, timeout, version, on_synced))
     start = time.perf_counter()
     src_side, dst_side, errors = side_of("src", src), side_of("dst", dst), []
     bound = None if timeout is None else timeout_seconds(timeout, "transfer")
@@ -178,35 +201,11 @@ def transfer(
     coord = Coordinator(platform, collective=platform.is_distributed(), operation="transfer", slot=slot,
                         timeout=timeout_seconds(timeout, "transfer", platform=platform))
     settings = (batch_bytes, max_in_flight, bool(allow_dtype_cast), sources_text(sources), STAGE_BATCHES, bool(delta))
-    writes = _Writes()
-    with writes.noted(), sides_named(process_group), coord:  # within a TransferGroup, errors say which job is which
-        return _transfer(coord, platform, platform.is_distributed(), src_side, dst_side, errors, settings,
-                         source_map, keep_plan=keep_plan, start=start, writes=writes)
-
-
-class _Writes:
-    """How this call writes the destinations, known once the plan is: in place as pieces
-    arrive, or (``staged``: a delta call after its plan's first) only after every rank
-    succeeded. A ``LoadError`` after that point says what the destinations hold."""
-
-    IN_PLACE = ("transfer: the destinations may hold a mix of two steps (pieces written before the failure "
-                "hold the new values, the others the previous ones); this call's plan was forgotten, so the "
-                "next transfer plans again and sends everything (with delta=True too)")
-    STAGED = ("transfer(delta=True): no destination was written (the pieces were staged, to be written only "
-              "after every rank succeeded): every destination holds the previous transfer's values; this "
-              "call's plan was forgotten, so the next transfer plans again and sends everything")
-
-    def __init__(self) -> None:
-        self.known = self.staged = False
-
-    @contextlib.contextmanager
-    def noted(self) -> Iterator[None]:
-        try:
-            yield
-        except LoadError as exc:
-            if self.known and exc.phase != "validate":  # in place of the line written for ``load``
-                exc.advise(self.STAGED if self.staged else self.IN_PLACE)
-            raise
+    call = _Call(settings, source_map, keep_plan, start, version, Writes(bool(atomic)))
+    with call.writes.noted(), sides_named(process_group), coord:  # within a TransferGroup, errors say which job is which
+        report = _transfer(coord, platform, platform.is_distributed(), src_side, dst_side, errors, call)
+    call_hook(on_synced, report)  # after the coordinator: nothing the hook does involves the other ranks
+    return report
 
 
 def _resolve(sources: Mapping[str, Any] | None, platform: Any, leaves: list[Any], process_group: Any,
@@ -268,26 +267,35 @@ def _new_plan(coord: Coordinator, platform: Any, collective: bool, src: Side, ds
                   sets=sorted({p.ranks for p in plan.pieces if len(p.ranks) > 1 and me in p.ranks}))
 
 
+def _steps(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapping[str, Target], *,
+           batch_bytes: int, pending: Pending | None, watch: Any) -> Any:
+    """The rounds this call runs: a delta plan's changed pieces, a staged call's rounds built
+    for its ``pending``, or the plan's prepared rounds (kept for the next call)."""
+    if entry.delta is not None:
+        return entry.delta.steps(platform, entry.plan, src, dst, collective=platform.is_distributed(),
+                                 subgroups=platform.capabilities.subgroups, batch_bytes=batch_bytes,
+                                 watch=watch, pending=pending)
+    if pending is not None:
+        return lazily(platform, entry.rounds, src, dst, batch_bytes=batch_bytes, pending=pending)
+    return _prepared(platform, entry, src, dst, batch_bytes)
+
+
 def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str, Target],
-             dst: Mapping[str, Target], *, fresh: bool, batch_bytes: int,
-             max_in_flight: int) -> tuple[MoveStats, Pending | None]:
-    """This rank's copies and broadcasts (phase ``execute``), and the writes a delta call
-    holds back (``_delta``: applied by ``_commit``); a failure here is named to every rank
-    by the coordinator."""
+             dst: Mapping[str, Target], *, fresh: bool, call: _Call) -> tuple[MoveStats, Pending | None]:
+    """This rank's copies and broadcasts (phase ``execute``), and the writes a staged call
+    holds back (applied by ``_commit``); a failure here is named to every rank by the
+    coordinator."""
     coord.phase = "execute"
+    writes = call.writes
     try:
         if fresh:  # each rank names the groups it is in; later transfers find them made
             entry.groups.ensure(entry.sets, own=True)
-        if entry.delta is None or not entry.delta.committed:  # written in place: other delta plans see it
-            _ledger.written(_ledger.spans(dst))
-        if entry.delta is None:
-            return move(platform, _prepared(platform, entry, src, dst, batch_bytes), max_in_flight=max_in_flight,
-                        groups=entry.groups, watch=coord.waiter), None
-        pending = Pending(platform) if entry.delta.committed else None
-        steps = entry.delta.steps(platform, entry.plan, src, dst, collective=platform.is_distributed(),
-                                  subgroups=platform.capabilities.subgroups, batch_bytes=batch_bytes,
-                                  watch=coord.waiter, pending=pending)
-        stats = move(platform, steps, max_in_flight=max_in_flight, groups=entry.groups, watch=coord.waiter)
+        if entry.delta is None or not entry.delta.committed:  # written by this call: other delta plans see it
+            _ledger.written(writes.spans)
+        pending = Pending(platform) if writes.staged else None
+        steps = _steps(platform, entry, src, dst, batch_bytes=call.settings[0], pending=pending, watch=coord.waiter)
+        stats = move(platform, steps, max_in_flight=call.settings[1], groups=entry.groups, watch=coord.waiter,
+                     touched=writes.torn)
         return stats, pending
     except PeerFailure:
         raise  # another rank's failure: the coordinator names it
@@ -295,14 +303,19 @@ def _execute(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str,
         raise LoadError({platform.rank(): [f"{type(exc).__name__}: {exc}"]}, "execute") from exc
 
 
-def _commit(entry: _Entry, src: Mapping[str, Target], pending: Pending | None) -> None:
-    """After every rank passed the final check: a delta call's held-back writes, then the
-    senders' record of what they sent. Local only: no peer can fail it from here."""
-    if entry.delta is None:
-        return
+def _commit(entry: _Entry, src: Mapping[str, Target], pending: Pending | None, stats: MoveStats,
+            writes: Writes, version: int, scope: str) -> None:
+    """After every rank passed the final check: a staged call's held-back writes, the senders'
+    record of what they sent (delta), and the version this rank's destinations now hold.
+    Local only: no peer can fail it from here."""
     if pending is not None:
+        writes.torn.update(stats.written)  # should applying them fail part way, these are torn
         pending.apply()
-    entry.delta.sent_now(entry.plan, src)
+    if entry.delta is not None:
+        entry.delta.sent_now(entry.plan, src)
+    _versions.record(writes.spans, version)
+    _versions.committed(scope, version)
+    writes.finished()
 
 
 def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapping[str, Target],
@@ -319,47 +332,60 @@ def _prepared(platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapp
     return entry.prepared
 
 
-def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
-              settings: tuple[Any, ...], source_map: SourceMap | None, *, keep_plan: bool,
-              start: float, writes: _Writes) -> TransferReport:
-    """``transfer``: wait for every rank, agree on a kept plan or plan anew, move, check, write."""
-    coord.phase = "validate"
-    coord.arrive()
-    # the call's timeout in the key: a kept plan's groups were made with its call's bound
-    key = digest(signature(src), signature(dst), settings, getattr(platform, "group_key", "world"), coord.timeout)
-    entry, kept_after = agree(platform, collective, key, failed=bool(errors) or unusable_cause(platform) is not None,
-                              keep_plan=keep_plan, watch=coord.waiter)
-    reused = entry is not None
-    control = int(collective)
-    if entry is None:
-        entry = _new_plan(coord, platform, collective, src, dst, errors, key, settings, source_map)
-        control += int(collective)
-        src_t, dst_t = entry.src, entry.dst
-    else:
-        src_t, dst_t = with_locals(src, entry.src), with_locals(dst, entry.dst)
-    writes.known, writes.staged = True, entry.delta is not None and entry.delta.committed
-    if entry.fp8 is not None:  # this rank's sources of FP8 blockwise destinations, quantized now
-        src_t = entry.fp8.quantized(src_t)
-    planned = time.perf_counter()
+def _run(coord: Coordinator, platform: Any, entry: _Entry, src: Mapping[str, Target], dst: Mapping[str, Target],
+         *, fresh: bool, call: _Call, version: int) -> tuple[MoveStats, int]:
+    """Move, check on every rank, commit: (this rank's stats, the bytes the job sent). A
+    failure forgets the plan (its groups may hold unfinished broadcasts)."""
+    collective = platform.is_distributed()
     done = False
     try:
-        stats, pending = _execute(coord, platform, entry, src_t, dst_t, fresh=not reused, batch_bytes=settings[0],
-                                  max_in_flight=settings[1])
+        stats, pending = _execute(coord, platform, entry, src, dst, fresh=fresh, call=call)
         (job_sent,) = coord.check([], "execute", collective=collective, sums=(stats.bytes_sent,))
-        _commit(entry, src_t, pending)
+        _commit(entry, src, pending, stats, call.writes, version, getattr(platform, "group_key", "world"))
         done = True
     finally:
         if not done:
             forget(platform, entry)
+    return stats, job_sent
+
+
+def _transfer(coord: Coordinator, platform: Any, collective: bool, src: Side, dst: Side, errors: list[str],
+              call: _Call) -> TransferReport:
+    """``transfer``: wait for every rank, agree on a kept plan (or plan anew) and on the
+    version, move, check, write."""
+    coord.phase = "validate"
+    coord.arrive()
+    scope = getattr(platform, "group_key", "world")
+    # the call's timeout in the key: a kept plan's groups were made with its call's bound
+    key = digest(signature(src), signature(dst), call.settings, scope, coord.timeout)
+    version = _versions.resolve(call.version, scope)
+    entry, kept_after, versions = agree(platform, collective, key, keep_plan=call.keep_plan, watch=coord.waiter,
+                                        failed=bool(errors) or unusable_cause(platform) is not None,
+                                        extra=(version, -version))
+    if versions[0] != -versions[1]:  # MAX of the versions and of their negations: they differ
+        _versions.refuse(coord, errors, version, call.version is not None)
+    reused = entry is not None
+    control = int(collective)
+    if entry is None:
+        entry = _new_plan(coord, platform, collective, src, dst, errors, key, call.settings, call.source_map)
+        control += int(collective)
+        src_t, dst_t = entry.src, entry.dst
+    else:
+        src_t, dst_t = with_locals(src, entry.src), with_locals(dst, entry.dst)
+    call.writes.decide(entry.delta, _ledger.spans(dst_t))
+    if entry.fp8 is not None:  # this rank's sources of FP8 blockwise destinations, quantized now
+        src_t = entry.fp8.quantized(src_t)
+    planned = time.perf_counter()
+    stats, job_sent = _run(coord, platform, entry, src_t, dst_t, fresh=not reused, call=call, version=version)
     keep(platform, entry, kept_after)  # or forget it: decided alike on every rank (``agree``)
     control += int(collective)
     return _report(platform, collective, entry, dst_t, stats, reused=reused, control=control, job_sent=job_sent,
-                   seconds={"plan": planned - start, "execute": stats.seconds,
-                            "total": time.perf_counter() - start})
+                   version=version, seconds={"plan": planned - call.start, "execute": stats.seconds,
+                                             "total": time.perf_counter() - call.start})
 
 
 def _report(platform: Any, collective: bool, entry: _Entry, dst: Mapping[str, Target], stats: MoveStats, *,
-            reused: bool, control: int, job_sent: int, seconds: dict[str, float]) -> TransferReport:
+            reused: bool, control: int, job_sent: int, version: int, seconds: dict[str, float]) -> TransferReport:
     from ..plan._owners import dtype_itemsize
 
     rank = platform.rank() if collective else 0
@@ -371,7 +397,7 @@ def _report(platform: Any, collective: bool, entry: _Entry, dst: Mapping[str, Ta
         plan_reused=reused, job_bytes_sent=job_sent, seconds=seconds,
         cast=tuple(sorted(n for n in entry.plan.cast if n in dst)),
         composed=tuple((n, c) for n, c in entry.plan.composed.items() if n in dst),
-        skipped_not_in_mesh=entry.outside)
+        skipped_not_in_mesh=entry.outside, version=version, changed=tuple(n for n in dst if n in stats.written))
     logger.debug("rank %d: transfer filled %d tensor(s) in %.4f s (plan %s): received %d, sent %d, copied %d "
                  "bytes in %d broadcast(s)", rank, report.tensors_filled, seconds["total"],
                  "reused" if reused else "made", report.bytes_received, report.bytes_sent, report.bytes_copied,
