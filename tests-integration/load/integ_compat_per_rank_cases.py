@@ -68,14 +68,16 @@ def _values(rank: int) -> dict[str, Any]:
     return {"w": torch.arange(4.0),
             "sampler": {f"dp_rank_{rank}": {"epoch": rank, "order": (rank, rank + 1), "done": None}},
             "np_rng": {f"dp_rank_{rank}": np.random.RandomState(rank).get_state()},
-            "share": {f"dp_rank_{rank}": fractions.Fraction(rank + 1, 3)}}
+            "share": {f"dp_rank_{rank}": fractions.Fraction(rank + 1, 3)},
+            "raw": {f"dp_rank_{rank}": bytearray(b"r%d" % rank)}}
 
 
 def _shown(state: dict[str, Any], rank: int) -> list[Any]:
     key = f"dp_rank_{rank}"
     rng = state["np_rng"][key]
     return [state["w"].tolist(), state["sampler"][key], str(state["share"][key]),
-            [rng[0], rng[1][:4].tolist(), rng[2]] if isinstance(rng, tuple) else repr(rng)]
+            [rng[0], rng[1][:4].tolist(), rng[2]] if isinstance(rng, tuple) else repr(rng),
+            [type(state["raw"][key]).__name__, bytes(state["raw"][key])]]
 
 
 def per_rank_values(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -88,7 +90,10 @@ def per_rank_values(rank: int, world: int, root: str) -> dict[str, Any]:
     for name, load in (("torch", tdcp.load), ("compat", compat.load)):
         got = {"w": torch.full((4,), POISON),
                "sampler": {f"dp_rank_{rank}": {"epoch": -1, "order": "poison", "done": "poison"}},
-               "np_rng": {f"dp_rank_{rank}": "poison"}, "share": {f"dp_rank_{rank}": "poison"}}
+               "np_rng": {f"dp_rank_{rank}": "poison"}, "share": {f"dp_rank_{rank}": "poison"},
+               "raw": {f"dp_rank_{rank}": b"poison"}}
         load(got, checkpoint_id=path)
         out[name] = _shown(got, rank)
+    planner = tdcp.FileSystemReader(path).read_metadata().planner_data
+    out["planner_data"] = {n: list(k) for n, k in planner.items() if "dp_rank" in n}
     return out

@@ -34,3 +34,9 @@ def test_per_rank_values_plain_or_not_reach_torch_and_dcp_loads(tmp_path):
         assert r["want"][1] == {"epoch": rank, "order": (rank, rank + 1), "done": None}, r
         assert r["torch"] == r["want"], (rank, r)
         assert r["compat"] == r["want"], (rank, r)
+        assert r["want"][4] == ["bytearray", b"r%d" % rank], r
+    # torch's planner_data names each value's keys as its holder keeps them, whichever rank held it
+    planner = per_rank[0]["planner_data"]
+    for rank in range(3):
+        assert planner[f"sampler.dp_rank_{rank}.epoch"] == ["sampler", f"dp_rank_{rank}", "epoch"], planner
+        assert planner[f"np_rng.dp_rank_{rank}"] == ["np_rng", f"dp_rank_{rank}"], planner

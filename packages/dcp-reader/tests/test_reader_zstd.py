@@ -324,3 +324,30 @@ def test_round_trip_of_random_shapes_and_dtypes(tmp_path_factory, state):
         for name, t in state.items():
             assert torch.equal(got[name], t), name
             assert torch.equal(_full(r, name), t), name
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_many_small_compressed_tensors_keep_open_descriptors_bounded(tmp_path):
+    """600 tensors: the inflated items a reader keeps are bounded in number, not only in bytes
+    (one descriptor each: 1,500 of them exceeded a 1,024 open-file limit)."""
+    n = 600
+    state = {f"p{i}": torch.full((4,), float(i)) for i in range(n)}
+    _torch_save(str(tmp_path / "ck"), state)
+    before, peak = _open_fds(), 0
+    with open_checkpoint(str(tmp_path / "ck")) as reader:
+        for i in range(n):
+            assert torch.equal(_full(reader, f"p{i}"), state[f"p{i}"])
+            peak = max(peak, _open_fds())
+    assert peak - before < 200, (before, peak)
+
+
+@pytest.mark.parametrize("key", ["状态" * 45, "a\x00b", "x" * 240])
+def test_keys_of_any_characters_and_length_inflate(tmp_path, key):
+    state = {key: torch.arange(6.0), "w": torch.ones(2)}
+    _torch_save(str(tmp_path / "ck"), state)
+    with open_checkpoint(str(tmp_path / "ck")) as reader:
+        assert torch.equal(_full(reader, key), state[key])

@@ -54,16 +54,41 @@ def with_other_ranks_values(state_dict: Mapping[Any, Any], process_group: Any, n
     platform = get_platform("torch") if process_group is None else get_platform("torch", group=process_group)
     state, values = _own_values(state_dict)
     known = set(platform.all_gather_object(sorted(values) if me == 0 else None)[0] or ())
-    lacking = {name: _sent(value, me) for name, value in values.items() if name not in known}
+    lacking = {name: (_plain_keys(leaf.keys), *_sent(leaf.value, me)) for name, leaf in values.items()
+               if name not in known}
     gathered = platform.all_gather_object(lacking if me != 0 else {})
     if me != 0:
         return state
-    extra: dict[str, Any] = {}
+    taken: set[str] = set()
     for rank, part in enumerate(gathered[1:], start=1):  # in rank order: the lowest holder's value is kept
-        for name, value in part.items():
-            if name not in extra:
-                extra[name] = _received(value, rank)
-    return {**state, **extra} if extra else state
+        for name, (keys, *sent) in part.items():
+            if name not in taken:
+                taken.add(name)
+                state = _placed(state, name, keys, _received(tuple(sent), rank))
+    return state
+
+
+def _plain_keys(keys: tuple[Any, ...]) -> list[Any]:
+    """The value's keys from the top, as sent (each a str or an int; others as their str)."""
+    return [k if type(k) in (str, int) else str(k) for k in keys]
+
+
+def _placed(state: Mapping[Any, Any], name: str, keys: Any, value: Any) -> Mapping[Any, Any]:
+    """``state`` with ``value`` where its holder keeps it (``keys`` from the top, the mappings
+    on the way copied, never changed), so that torch's ``planner_data`` names the same keys as
+    the holder's; at the top level under its flattened ``name`` when that place is taken."""
+    nested = _nested(state, list(keys) if isinstance(keys, list) else [], value)
+    return nested if nested is not None else {**state, name: value}
+
+
+def _nested(node: Any, keys: list[Any], value: Any) -> Mapping[Any, Any] | None:
+    if not keys or not isinstance(node, Mapping):
+        return None
+    head, rest = keys[0], keys[1:]
+    if not rest:
+        return None if head in node else {**node, head: value}
+    inner = _nested(node.get(head, {}), rest, value)
+    return None if inner is None else {**node, head: inner}
 
 
 class _Unsaveable:
@@ -83,9 +108,9 @@ def _sent(value: Any, rank: int) -> tuple[str, Any]:
     from dcp_platform.codec import pack
 
     try:
-        pack(value)
+        pack({"": ([], _PLAIN, value)})  # as deep as it travels
         return (_PLAIN, value)
-    except (TypeError, ValueError, RecursionError):
+    except Exception:  # noqa: BLE001 - not plain data (or its checks raise): torch.save it below
         pass
     import torch
 
@@ -112,7 +137,7 @@ def _received(sent: Any, rank: int) -> Any:
 
 
 def _own_values(state_dict: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], dict[str, Any]]:
-    """(the state dict with Statefuls resolved, its non-tensor values by flattened name);
+    """(the state dict with Statefuls resolved, its non-tensor leaves by flattened name);
     the state dict as given and no values when it is refused (the save says why)."""
     refused: list[str] = []
     resolved = resolve_statefuls(state_dict, refused)
@@ -122,5 +147,5 @@ def _own_values(state_dict: Mapping[Any, Any]) -> tuple[Mapping[Any, Any], dict[
         leaves = flatten_state_dict(resolved.state)
     except (TypeError, ValueError):
         return state_dict, {}
-    return resolved.state, {leaf.name: leaf.value for leaf in leaves if not is_tensor(leaf.value)}
+    return resolved.state, {leaf.name: leaf for leaf in leaves if not is_tensor(leaf.value)}
 

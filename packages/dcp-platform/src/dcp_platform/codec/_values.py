@@ -5,7 +5,9 @@ A process group's bytes come from peers over sockets set up through an unauthent
 so what a rank receives is decoded by a codec that cannot run code and is checked (sizes,
 nesting, encodings) before use. Only plain data travels: ``None``, ``bool``, ``int``,
 ``float``, ``str``, ``bytes``, and ``list``, ``tuple`` and ``dict`` of them (exact types: a
-subclass such as a named tuple is refused, as it would come back as its base type).
+subclass such as a named tuple, or a ``bytearray``, is refused, as it would come back as
+another type). Each value has one encoding: the decoder refuses any other (a repeated dict
+key, an int written long), so that what two ranks decode from the same bytes is the same.
 
 Format: ``VALUES_PREFIX`` (the codec's version), then one value: a one-byte tag and its body,
 little-endian. ``N``/``T``/``F``: None/True/False; ``i``: int64; ``I``: u16 length then a
@@ -83,9 +85,12 @@ def pack(value: Any) -> bytes:
 def pack_or_refusal(value: Any) -> bytes:
     """``pack(value)``, or a refusal that ``unpack`` raises on every rank that reads it."""
     try:
-        return pack(value)
-    except (TypeError, ValueError, RecursionError) as exc:
-        return _REFUSED + str(exc)[:4096].encode("utf-8", "replace")
+        raw = pack(value)
+    except Exception as exc:  # noqa: BLE001 - any failure is sent as a refusal: the peers must not wait
+        return _REFUSED + f"{type(exc).__name__}: {exc}"[:4096].encode("utf-8", "replace")
+    if len(raw) > MAX_VALUE_BYTES:
+        return _REFUSED + f"{len(raw)} bytes, more than the {MAX_VALUE_BYTES} one exchange carries".encode()
+    return raw
 
 
 def _all_int(x: tuple[Any, ...]) -> bool:
@@ -120,11 +125,11 @@ def _pack(x: Any, out: list[bytes], depth: int) -> None:  # noqa: C901 - one bra
         _pack_items(b"d", x, out, depth)
     elif t is float:
         out.append(b"f" + _dpack(x))
-    elif t is bytes or t is bytearray:
+    elif t is bytes:
         out += (b"b" + _upack(len(x)), bytes(x))
     else:
         raise TypeError(f"a {t.__module__}.{t.__qualname__} is not plain data (None, bool, int, float, str, bytes, "
-                        f"list, tuple, dict): {x!r:.80}")
+                        "list, tuple, dict)")
 
 
 def _pack_items(tag: bytes, x: Any, out: list[bytes], depth: int) -> None:
@@ -204,7 +209,10 @@ def _unpack(data: bytes, pos: int, depth: int) -> tuple[Any, int]:  # noqa: C901
         n = _h_from(data, pos)[0]
         if not 0 < n <= _MAX_BIG_INT_BYTES or pos + 2 + n > len(data):
             raise _Bad(f"an int of {n} bytes, at byte {pos}")
-        return int.from_bytes(data[pos + 2:pos + 2 + n], "little", signed=True), pos + 2 + n
+        value = int.from_bytes(data[pos + 2:pos + 2 + n], "little", signed=True)
+        if -(1 << 63) <= value < (1 << 63) or n != (value.bit_length() + 8) // 8:
+            raise _Bad(f"an int in a form pack never writes, at byte {pos}")
+        return value, pos + 2 + n
     raise _Bad(f"unknown tag {bytes((tag,))!r} at byte {pos - 1}")
 
 
@@ -220,10 +228,16 @@ def _unpack_items(tag: int, data: bytes, pos: int, depth: int) -> tuple[Any, int
         for _ in range(n):
             key, pos = _unpack(data, pos, depth + 1)
             out[key], pos = _unpack(data, pos, depth + 1)
+        if len(out) != n:
+            raise _Bad(f"a dict with {n - len(out)} repeated keys, before byte {pos}")
         return out, pos
-    items = [None] * n
-    for i in range(n):
-        items[i], pos = _unpack(data, pos, depth + 1)
+    # Grown item by item, never sized by the count: nested counts that each claim the bytes
+    # left would otherwise take hundreds of times the payload's size before failing.
+    items: list[Any] = []
+    append = items.append
+    for _ in range(n):
+        item, pos = _unpack(data, pos, depth + 1)
+        append(item)
     return (tuple(items) if tag == 0x74 else items), pos
 
 

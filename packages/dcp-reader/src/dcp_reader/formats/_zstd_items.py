@@ -37,6 +37,9 @@ BLOB_SLACK = 64 * 1024
 VALUE_LIMIT = METADATA_LIMIT
 #: Inflated bytes a reader keeps for later boxes of the same chunks.
 BUDGET = 256 * 1024 * 1024
+#: Inflated items a reader keeps open at most (each holds a descriptor): a checkpoint of
+#: thousands of small tensors stays far below the process's open-file limit.
+MAX_KEPT = 64
 _PIECE = 1024 * 1024
 
 
@@ -58,7 +61,9 @@ class Inflated:
 def _anonymous_file(label: str) -> int:
     """A descriptor of a new file that lives in memory and vanishes when closed."""
     if hasattr(os, "memfd_create"):
-        return os.memfd_create(label[:200] or "dcp-item", os.MFD_CLOEXEC)
+        # the kernel takes at most 249 bytes, without NUL: a key may hold any character
+        safe = "".join(c if c.isascii() and c.isprintable() else "?" for c in label)[:200]
+        return os.memfd_create(safe or "dcp-item", os.MFD_CLOEXEC)
     with tempfile.TemporaryFile(prefix="dcp-item-") as f:  # no memfd (not Linux): an unlinked file
         return os.dup(f.fileno())
 
@@ -106,7 +111,8 @@ def inflate(raw: Any, *, limit: int, what: str, path: str, file: str, key: str, 
 
 class InflatedItems:
     """A reader's inflated items by (file, (offset, length)), least recently used closed
-    once they hold more than ``budget`` bytes; the last one put is always kept."""
+    once they hold more than ``budget`` bytes or number more than ``MAX_KEPT``; the last one
+    put is always kept."""
 
     def __init__(self, budget: int = BUDGET):
         self._items: OrderedDict[tuple[str, tuple[int, int]], Inflated] = OrderedDict()
@@ -129,7 +135,7 @@ class InflatedItems:
         self._items[where] = item
         self._named[item.name] = item
         self._held += item.size
-        while self._held > self._budget and len(self._items) > 1:
+        while (self._held > self._budget or len(self._items) > MAX_KEPT) and len(self._items) > 1:
             self.drop(next(iter(self._items)))
 
     def drop(self, where: tuple[str, tuple[int, int]]) -> None:
