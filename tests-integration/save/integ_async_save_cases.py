@@ -184,7 +184,10 @@ def failing_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     from dcp_reader import NativeWriter
 
     path = os.path.join(root, "ckpt")
+    import torch.distributed as dist
+
     dcp_load.save(state(1), checkpoint_id=path)
+    dist.barrier()  # rank 0 tidies up (its lock, the writers' indexes) after the others return
     before = sorted(os.listdir(path))
     real = NativeWriter.write_file
 
@@ -199,8 +202,6 @@ def failing_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         out = outcome(lambda: fut.result(timeout=60))
     finally:
         NativeWriter.write_file = real  # type: ignore[method-assign]
-    import torch.distributed as dist
-
     dist.barrier()
     out["unchanged"] = sorted(os.listdir(path)) == before
     out["holds_1"] = holds(path, 1)
