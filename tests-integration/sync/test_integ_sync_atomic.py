@@ -8,7 +8,6 @@ transfer in a new group sends everything and gives the next step exactly."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,23 +19,13 @@ from dcp_platform.testing import run_ranks
 sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_sync_atomic_cases as cases  # noqa: E402
+from ports import free_ports  # noqa: E402
 
 SIZES = (2, 2)
 EVERY = ["a", "b", "c"]
 MIX = "the destinations may hold a mix of two steps"
 NEXT_ALL = "the next transfer plans again and sends everything"
 LOAD_LINE = "Load again before using them"
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def run_jobs(fn: Any, *args: Any, trainer_may_die: tuple[int, ...] = ()) -> tuple[list[Any], list[Any]]:

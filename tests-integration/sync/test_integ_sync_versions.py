@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,22 +26,13 @@ import pytest
 from dcp_platform.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))  # helpers shared by several areas
 sys.path.insert(0, str(Path(__file__).parent))
 import integ_sync_versions_cases as cases  # noqa: E402
+from ports import free_ports  # noqa: E402
 
 SIZES = (2, 2)
 EVERY = ["a", "b", "c"]
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def run_jobs(fn: Any, *args: Any, ports: int = 1) -> tuple[list[Any], list[Any]]:
