@@ -194,6 +194,8 @@ def load_torch_dcp(root_real: str, *, check: bool = True, checksums: bool = True
     md = _unpickle_metadata(root_real, path)
     try:
         tensors, values = _entries(md, path)
+    except CheckpointError:
+        raise
     except _STRUCTURE_ERRORS as e:
         raise MetadataError(f"unexpected metadata structure ({type(e).__name__}: {str(e)[:200]})",
                             path=path) from None
