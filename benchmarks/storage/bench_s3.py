@@ -5,6 +5,8 @@ FsspecReader over s3fs and Run:ai Model Streamer, all in one run, through one pr
     python benchmarks/storage/bench_s3.py --gib 0.25 --skip-peers      # a smoke run (dcp only)
     python benchmarks/storage/bench_s3.py --concurrency 4,8,16,32      # dcp's GETs in flight, swept
     python benchmarks/storage/bench_s3.py --gib 0.25 --runs dcp:tp,torchdcp:tp   # column shards
+    python benchmarks/storage/bench_s3.py --gib 0.25 --latency-ms 30,30 --bandwidth-mbs 40 \
+        --runs dcp:one,runai:one,dcp:one,runai:one       # one process each, no process group
 
 The S3 server is moto (``python -m moto.server``, its own process) on loopback; the
 proxy (tests-integration/_support/s3_server.py, in this process) adds a per-request latency drawn
@@ -113,21 +115,42 @@ def _check(state: dict[str, Any], spec: list[tuple[str, tuple[int, ...]]], rank:
             raise AssertionError(f"{name!r} holds wrong values")
 
 
-def _processes(files: list[str], env: dict[str, str]) -> list[dict[str, Any]]:
-    """Run:ai on 4 processes started together (it needs no process group); each reports its time."""
-    code = (f"import json, sys, time; sys.path.insert(0, {str(HERE)!r}); import bench_s3; t = time.perf_counter(); "
-            "n = bench_s3._runai(json.loads(sys.argv[1])); print(json.dumps({'seconds': time.perf_counter() - t, "
-            "'tensors': n, 'phases': {}}))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(files)], env={**os.environ, **env},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+def _processes(files: list[str], env: dict[str, str], count: int = 4, tool: str = "runai",
+               spec: Any = ()) -> list[dict[str, Any]]:
+    """``tool`` on ``count`` plain processes started together (no process group: Run:ai needs
+    none; dcp as ``load(..., no_dist=True)``); each reports its time."""
+    code = (f"import json, sys, time; sys.path.insert(0, {str(HERE)!r}); import bench_s3; "
+            "a = json.loads(sys.argv[1]); t = time.perf_counter(); n = bench_s3._alone(*a); "
+            "print(json.dumps({'seconds': time.perf_counter() - t, 'tensors': n, 'phases': {}}))")
+    arg = json.dumps([tool, [[n, list(s)] for n, s in spec], files])
+    procs = [subprocess.Popen([sys.executable, "-c", code, arg], env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(count)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=1800)
         if p.returncode != 0:
             errors = [ln for ln in stderr.splitlines() if "ERROR" in ln or "rror:" in ln]
-            raise RuntimeError(f"Run:ai process exited {p.returncode}: {' | '.join(errors[-4:])[-900:]}")
+            raise RuntimeError(f"{tool} process exited {p.returncode}: {' | '.join(errors[-4:])[-900:]}")
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
+
+
+def _alone(tool: str, spec: list[list[Any]], files: list[str]) -> int:
+    """One process without a process group: Run:ai streaming every file, or dcp's
+    ``load(no_dist=True)`` into plain tensors, a few of them compared with their source
+    (inside the timed part, a few ms)."""
+    if tool == "runai":
+        return _runai(files)
+    import dcp_load
+    import torch
+
+    shapes = [(n, tuple(s)) for n, s in spec]
+    state = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in shapes}
+    dcp_load.load(state, checkpoint_id=f"s3://{BUCKET}/hf", no_dist=True, timeout=900)
+    for name, shape in shapes[::max(1, len(shapes) // 6)]:
+        if not torch.equal(state[name].view(torch.int16), tensor(name, shape).view(torch.int16)):
+            raise AssertionError(f"{name!r} holds wrong values")
+    return len(state)
 
 
 def _runai(files: list[str]) -> int:
@@ -148,7 +171,9 @@ def measure(proxy: s3_server.FaultProxy, tool: str, layout: str, spec: Any, file
     from dcp_platform.testing import run_ranks
 
     proxy.faults.reset_counts()
-    if tool == "runai":  # no collectives: 4 plain processes, each streaming every file
+    if layout == "one":  # one plain process, no process group
+        per_rank = _processes(files, env, 1, tool, spec)
+    elif tool == "runai":  # no collectives: 4 plain processes, each streaming every file
         per_rank = _processes(files, env)
     else:
         per_rank = run_ranks(rank_run, 4, tool, layout, spec, files, env=env, timeout=1800, pg_timeout=1500,
@@ -244,10 +269,14 @@ def _env(proxy: s3_server.FaultProxy, runai_concurrency: int) -> dict[str, str]:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    by = {(r["tool"], r["layout"]): r["seconds"] for r in rows if "concurrency" not in r and "seconds" in r}
-    runai = by.get(("runai", "any"))
-    for layout in ("dp4", "dp2tp2", "tp"):
+    runs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if "concurrency" not in r and "seconds" in r:
+            runs.setdefault((r["tool"], r["layout"]), []).append(r["seconds"])
+    by = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}  # the median of repeated runs
+    for layout in ("dp4", "dp2tp2", "tp", "one"):
         mine = by.get(("dcp", layout))
+        runai = by.get(("runai", "one" if layout == "one" else "any"))
         if mine is None:
             continue
         parts = [f"dcp {layout}: {mine:.2f} s"]
