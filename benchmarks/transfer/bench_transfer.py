@@ -339,14 +339,19 @@ def _change(src: Any, now: dict[str, torch.Tensor], side: str, rank: int, model:
 def _sync_methods(side: str, rank: int, model: dict[str, Any], mesh: Any, groups: dict[str, Any],
                   bucket_bytes: int, steps: int) -> dict[str, Any]:
     src, dst, plain = _sync_layouts(model, side, rank, mesh)
+    # the full transfers after the first delta write destinations of their own: a write into
+    # a delta plan's destinations by another transfer (or a poison) makes its next call send all
+    _, dst_full, plain_full = _sync_layouts(model, side, rank, mesh) if side == "engine" else ({}, {}, {})
     now = {n: _value(n, s, 0) for n, s in model.items()} if side == "engine" else {}
-    exact = lambda: all(torch.equal(t, now[n].chunk(2, _split_dim(n))[rank]) for n, t in plain.items())  # noqa: E731
+    exact_in = lambda held: all(torch.equal(t, now[n].chunk(2, _split_dim(n))[rank]) for n, t in held.items())  # noqa: E731
+    exact = lambda: exact_in(plain)  # noqa: E731
     kept = sum(t.numel() * 2 for t in plain.values())
     out: dict[str, Any] = {}
 
-    def timed(label: str, fn: Any, check: Any = exact, poison: bool = True, kept: int = kept) -> None:
+    def timed(label: str, fn: Any, check: Any = exact, poison: bool = True, kept: int = kept,
+              held: Any = plain) -> None:
         if poison:
-            for t in plain.values():
+            for t in held.values():
                 t.fill_(float("nan"))
         _sync_barrier(groups["sync"])
         before, peak_ok = _status("VmRSS"), _reset_peak()
@@ -375,14 +380,15 @@ def _sync_methods(side: str, rank: int, model: dict[str, Any], mesh: Any, groups
               kept=fkept)
         del fdst, ftensors
     timed("delta (first: all)", lambda: _sync_transfer(src, dst, groups["sync"], True, delta=True))
-    timed("full, keep plan", lambda: _sync_transfer(src, dst, groups["sync"], True))
+    full = dict(check=lambda: exact_in(plain_full), held=plain_full)
+    timed("full, keep plan", lambda: _sync_transfer(src, dst_full, groups["sync"], True), **full)
     for step in range(1, steps + 1):
         last = step == steps  # the last step drops both plans (the next round makes new tensors)
         _change(src, now, side, rank, model, step)
         # delta first: its destinations hold the previous step's values, as a delta needs
         timed(f"delta, {CHANGED:.0%} changed", partial(_sync_transfer, src, dst, groups["sync"], not last, delta=True),
               poison=False)
-        timed(f"full, {CHANGED:.0%} changed", partial(_sync_transfer, src, dst, groups["sync"], not last))
+        timed(f"full, {CHANGED:.0%} changed", partial(_sync_transfer, src, dst_full, groups["sync"], not last), **full)
     return out
 
 
