@@ -18,6 +18,7 @@ needs it), batched with the other small pieces of the same group by
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -185,8 +186,8 @@ class _Open:
     def wire(self) -> str:
         return _wire(self.src_dtype, self.dst_dtype)
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # asked 4 times per piece while planning (sort, assign, rounds)
         return math.prod(self.sizes) * dtype_itemsize(self.wire)
 
 
